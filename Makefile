@@ -1,0 +1,49 @@
+# Texel: make targets are the interface for humans and CI.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.texel-installed
+HOST    ?= 0.0.0.0
+PORT    ?= 8000
+DATA    ?= ../shared/data
+
+# Without CUDA, the pinned CPU build of torch (an unpinned torch pulls a multi-GB
+# CUDA build). With nvidia-smi present, the default CUDA build from the index.
+HAVE_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
+ifeq ($(HAVE_CUDA),yes)
+TORCH_SPEC ?= torch
+else
+TORCH_SPEC ?= torch==2.13.0
+endif
+
+.PHONY: install run test lint format bench bench-cpu eval-formula eval-image train-formula train-image clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+run: install
+	$(VENV)/bin/texel serve --host $(HOST) --port $(PORT)
+
+test: install
+	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: bench-cpu
+
+bench-cpu: install
+	$(PY) -m bench.cpu
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

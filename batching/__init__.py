@@ -1,0 +1,38 @@
+"""Texel's model-agnostic dynamic batcher.
+
+It knows nothing of HTTP or of any model: callers submit payloads with a bucket
+key, workers run lists of payloads. See `Batcher` for the request path and
+`BucketQueue` for the policy.
+"""
+
+from batching.batcher import Batcher, BatchObserver, BatchResult, BatchRunner, Worker
+from batching.errors import (
+    BatchFailed,
+    BatchingError,
+    Cancelled,
+    DeadlineExceeded,
+    Draining,
+    OutOfMemory,
+    QueueFull,
+)
+from batching.queue import BatchPlan, BatchPolicy, BucketQueue, DrainRate, Pending
+
+__all__ = [
+    "BatchFailed",
+    "BatchObserver",
+    "BatchPlan",
+    "BatchPolicy",
+    "BatchResult",
+    "BatchRunner",
+    "Batcher",
+    "BatchingError",
+    "BucketQueue",
+    "Cancelled",
+    "DeadlineExceeded",
+    "DrainRate",
+    "Draining",
+    "OutOfMemory",
+    "Pending",
+    "QueueFull",
+    "Worker",
+]

@@ -1,0 +1,392 @@
+"""The asyncio batcher: one owner of the queue, worker threads that run batches.
+
+Callers `submit()` a preprocessed payload with its bucket key and get back a
+`BatchResult`. A single scheduler task owns the `BucketQueue`; it forms a batch
+whenever a worker is idle and the policy says a bucket is ready, and hands the
+batch to that worker's thread so the event loop stays free for HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from batching.errors import (
+    BatchFailed,
+    Cancelled,
+    DeadlineExceeded,
+    Draining,
+    OutOfMemory,
+)
+from batching.queue import BatchPlan, BatchPolicy, BucketQueue, DrainRate, Pending, State
+
+log = logging.getLogger(__name__)
+
+ShouldStop = Callable[[], bool]
+
+
+class BatchRunner(Protocol):
+    """Runs one batch on one device. Called on that device's worker thread.
+
+    Returns one result per payload, in order. A result may be an `Exception`
+    instance, which fails only that request. Long computations should poll
+    `should_stop()` and stop early when it returns True (every member cancelled).
+    """
+
+    def __call__(self, payloads: list[Any], should_stop: ShouldStop) -> list[Any]: ...
+
+
+@dataclass(frozen=True)
+class Worker:
+    """A device and the function that runs batches on it."""
+
+    name: str
+    run: BatchRunner
+
+
+class BatchObserver(Protocol):
+    """Hooks through which telemetry watches the batcher without the batcher knowing it."""
+
+    def batch(
+        self, batcher: str, worker: str, bucket: Hashable, items: list[Pending]
+    ) -> contextlib.AbstractContextManager[Any]: ...
+
+    def queue_depth(self, batcher: str, depth: int) -> None: ...
+
+    def rejected(self, batcher: str, reason: str) -> None: ...
+
+
+class _NullObserver:
+    @contextlib.contextmanager
+    def batch(self, batcher: str, worker: str, bucket: Hashable, items: list[Pending]):
+        yield None
+
+    def queue_depth(self, batcher: str, depth: int) -> None:
+        pass
+
+    def rejected(self, batcher: str, reason: str) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """What a request gets back: its own output plus facts about its batch."""
+
+    value: Any
+    batch_size: int
+    queue_wait_s: float
+    run_s: float
+    worker: str
+    batch_ref: Any = None  # whatever the observer's batch scope yielded (a span context)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    value: Any
+    error: BaseException | None
+    batch_size: int
+    worker: str
+    started: float
+    finished: float
+    batch_ref: Any
+
+
+class Batcher:
+    """Groups concurrent requests of one model into batches by bucket."""
+
+    def __init__(
+        self,
+        name: str,
+        workers: Sequence[Worker],
+        policy: BatchPolicy,
+        *,
+        observer: BatchObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not workers:
+            raise ValueError("a batcher needs at least one worker")
+        self.name = name
+        self.policy = policy
+        self._workers = list(workers)
+        self._observer = observer or _NullObserver()
+        self._clock = clock
+        self._queue = BucketQueue(policy)
+        self._drain_rate = DrainRate()
+        self._idle: list[Worker] = list(reversed(self._workers))
+        self._executors = {
+            w.name: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"texel-{name}-{w.name}")
+            for w in self._workers
+        }
+        self._tasks: set[asyncio.Task] = set()
+        self._inflight = 0  # batches handed to a worker and not yet resolved
+        self._wakeup = asyncio.Event()
+        self._idle_event = asyncio.Event()
+        self._scheduler: asyncio.Task | None = None
+        self._draining = False
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def start(self) -> None:
+        if self._scheduler is None:
+            self._scheduler = asyncio.get_running_loop().create_task(
+                self._schedule(), name=f"texel-batcher-{self.name}"
+            )
+
+    async def drain(self, timeout_s: float | None = None) -> bool:
+        """Refuse new requests, flush every bucket, wait for running batches.
+
+        Returns True when everything finished within `timeout_s`.
+        """
+        self._draining = True
+        self._wake()
+        try:
+            await asyncio.wait_for(self._wait_idle(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    async def close(self) -> None:
+        """Stop the scheduler and the worker threads. Call `drain()` first to finish work."""
+        self._draining = True
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._scheduler
+            self._scheduler = None
+        for item in list(self._queue):
+            self._queue.remove(item)
+            self._fail(item, Draining("the server is shutting down"), "draining")
+        for executor in self._executors.values():
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- introspection -------------------------------------------------------
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting for a batch (not those running)."""
+        return len(self._queue)
+
+    @property
+    def queued_cost(self) -> float:
+        return self._queue.queued_cost
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    # -- the request path ----------------------------------------------------
+
+    async def submit(
+        self,
+        payload: Any,
+        *,
+        bucket: Hashable,
+        timeout_s: float,
+        cost: float = 1.0,
+        context: Any = None,
+    ) -> BatchResult:
+        """Queue one request and wait for its result.
+
+        Raises `QueueFull`, `Draining`, `DeadlineExceeded` or `BatchFailed`;
+        cancelling the awaiting task removes the request (or, once it runs, asks
+        the batch to stop when all its members are gone).
+        """
+        if self._draining:
+            self._observer.rejected(self.name, "draining")
+            raise Draining("the server is shutting down and accepts no new requests")
+        now = self._clock()
+        item = Pending(
+            payload=payload,
+            bucket=bucket,
+            cost=cost,
+            enqueued_at=now,
+            deadline=now + timeout_s,
+            context=context,
+        )
+        item.future = asyncio.get_running_loop().create_future()
+        retry_after = self._drain_rate.retry_after(now, len(self._queue) + 1)
+        try:
+            self._queue.push(item, retry_after_s=retry_after)
+        except Exception:
+            self._observer.rejected(self.name, "queue_full")
+            raise
+        self._observer.queue_depth(self.name, len(self._queue))
+        self._wake()
+        try:
+            outcome: _Outcome = await asyncio.wait_for(
+                asyncio.shield(item.future), max(0.0, item.deadline - self._clock())
+            )
+        except TimeoutError:
+            if item.future.done():  # the scheduler expired it at the same moment
+                outcome = item.future.result()
+            else:
+                self._abandon(item)
+                self._observer.rejected(self.name, "deadline")
+                raise DeadlineExceeded(f"no result within {timeout_s:g} s") from None
+        except asyncio.CancelledError:
+            self._abandon(item)
+            self._observer.rejected(self.name, "cancelled")
+            raise
+        if outcome.error is not None:
+            raise outcome.error
+        return BatchResult(
+            value=outcome.value,
+            batch_size=outcome.batch_size,
+            queue_wait_s=outcome.started - item.enqueued_at,
+            run_s=outcome.finished - outcome.started,
+            worker=outcome.worker,
+            batch_ref=outcome.batch_ref,
+        )
+
+    def _abandon(self, item: Pending) -> None:
+        """The caller stopped waiting: free its slot, or flag it for a running batch."""
+        item.cancelled = True
+        if item.state is State.QUEUED and self._queue.remove(item):
+            item.state = State.DONE
+            self._observer.queue_depth(self.name, len(self._queue))
+            self._wake()
+
+    # -- the scheduler -------------------------------------------------------
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+
+    async def _schedule(self) -> None:
+        while True:
+            self._wakeup.clear()
+            try:
+                self._plan_batches()
+            except Exception:  # a bug here must not silently stall every request
+                log.exception("batcher %s: scheduling step failed", self.name)
+            wakeup = self._queue.next_wakeup()
+            timeout = None if wakeup is None else max(0.0, wakeup - self._clock())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), timeout)
+
+    def _plan_batches(self) -> None:
+        now = self._clock()
+        for item in self._queue.expire(now):
+            self._fail(item, DeadlineExceeded("the request waited past its deadline"), "deadline")
+        while self._idle:
+            plan = self._queue.next_batch(now, flush=self._draining)
+            if plan is None:
+                break
+            self._launch(self._idle.pop(), plan)
+        self._observer.queue_depth(self.name, len(self._queue))
+        if not self._queue and not self._inflight:
+            self._idle_event.set()
+
+    def _launch(self, worker: Worker, plan: BatchPlan) -> None:
+        self._idle_event.clear()
+        for item in plan.items:
+            item.state = State.RUNNING
+        self._inflight += 1
+        task = asyncio.get_running_loop().create_task(self._execute(worker, plan))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _execute(self, worker: Worker, plan: BatchPlan) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            outcomes = await loop.run_in_executor(
+                self._executors[worker.name], self._run_plan, worker, plan.bucket, plan.items
+            )
+        except Exception as exc:  # the executor itself failed (shut down)
+            outcomes = [self._failure(exc, len(plan.items)) for _ in plan.items]
+        self._drain_rate.record(self._clock(), len(plan.items))
+        for item, outcome in zip(plan.items, outcomes, strict=True):
+            item.state = State.DONE
+            if not item.future.done():
+                item.future.set_result(outcome)
+        self._inflight -= 1
+        self._idle.append(worker)
+        self._wake()
+
+    def _run_plan(self, worker: Worker, bucket: Hashable, items: list[Pending]) -> list[_Outcome]:
+        """Run a batch on the worker thread; split it in halves on out-of-memory."""
+        live = [item for item in items if not item.cancelled]
+        if not live:
+            return [self._failure(Cancelled("the client went away"), 0) for _ in items]
+        started = self._clock()
+        try:
+            with self._observer.batch(self.name, worker.name, bucket, live) as ref:
+                values = worker.run([item.payload for item in live], lambda: _all_cancelled(live))
+        except OutOfMemory as exc:
+            if len(live) == 1:
+                return self._merge(items, live, [self._failure(exc, 1, oom=True)])
+            half = len(live) // 2
+            log.warning(
+                "batch of %d did not fit on %s; retrying as %d + %d",
+                len(live),
+                worker.name,
+                half,
+                len(live) - half,
+            )
+            return self._merge(
+                items,
+                live,
+                self._run_plan(worker, bucket, live[:half])
+                + self._run_plan(worker, bucket, live[half:]),
+            )
+        except Exception as exc:
+            log.exception("batch of %d failed on %s", len(live), worker.name)
+            return self._merge(items, live, [self._failure(exc, len(live)) for _ in live])
+        finished = self._clock()
+        if len(values) != len(live):
+            error = BatchFailed(f"the model returned {len(values)} results for {len(live)} inputs")
+            return self._merge(items, live, [self._failure(error, len(live)) for _ in live])
+        outcomes = [
+            _Outcome(
+                value=None if isinstance(v, Exception) else v,
+                error=v if isinstance(v, Exception) else None,
+                batch_size=len(live),
+                worker=worker.name,
+                started=started,
+                finished=finished,
+                batch_ref=ref,
+            )
+            for v in values
+        ]
+        return self._merge(items, live, outcomes)
+
+    def _merge(
+        self, items: list[Pending], live: list[Pending], outcomes: list[_Outcome]
+    ) -> list[_Outcome]:
+        by_item = dict(zip(map(id, live), outcomes, strict=True))
+        cancelled = self._failure(Cancelled("the client went away"), 0)
+        return [by_item.get(id(item), cancelled) for item in items]
+
+    def _failure(self, exc: BaseException, batch_size: int, oom: bool = False) -> _Outcome:
+        if isinstance(exc, Cancelled | BatchFailed):
+            error: BaseException = exc
+        elif oom:
+            error = BatchFailed("the request does not fit in device memory even alone")
+        else:
+            error = BatchFailed(f"the model failed on this batch: {type(exc).__name__}: {exc}")
+        now = self._clock()
+        return _Outcome(None, error, batch_size, "", now, now, None)
+
+    def _fail(self, item: Pending, error: BaseException, reason: str | None) -> None:
+        item.state = State.DONE
+        if item.future is not None and not item.future.done():
+            now = self._clock()
+            item.future.set_result(_Outcome(None, error, 0, "", now, now, None))
+        if reason:
+            self._observer.rejected(self.name, reason)
+
+    async def _wait_idle(self) -> None:
+        while self._queue or self._inflight:
+            self._idle_event.clear()
+            self._wake()
+            await self._idle_event.wait()
+
+
+def _all_cancelled(items: list[Pending]) -> bool:
+    return all(item.cancelled for item in items)
+

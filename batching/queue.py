@@ -1,0 +1,203 @@
+"""Bucketed request queue and the batch-forming policy.
+
+Pure state with the clock passed in: no asyncio, no threads, so every rule
+(size and wait limits, ordering by deadline, capacity, expiry) is testable with
+a fake clock. The asyncio `Batcher` owns one `BucketQueue` and is the only
+thing that touches it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from batching.errors import QueueFull
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """When a bucket becomes a batch.
+
+    A bucket launches once it holds `max_batch_size` requests or its oldest
+    request has waited `max_wait_s`; at most `max_queue` requests wait in all.
+    """
+
+    max_batch_size: int = 8
+    max_wait_s: float = 0.01
+    max_queue: int = 256
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size must be at least 1")
+        if self.max_wait_s < 0:
+            raise ValueError("max_wait_s must not be negative")
+        if self.max_queue < 1:
+            raise ValueError("max_queue must be at least 1")
+
+
+class State(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+
+
+@dataclass(eq=False)
+class Pending:
+    """One request waiting for, or inside, a batch.
+
+    `context` is opaque to the batcher: the caller's tracing context, carried
+    to the worker thread so the batch span can link back to each request.
+    """
+
+    payload: Any
+    bucket: Hashable
+    cost: float
+    enqueued_at: float
+    deadline: float
+    context: Any = None
+    state: State = State.QUEUED
+    cancelled: bool = False
+    # Set by the Batcher; the queue itself never looks at it.
+    future: Any = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """A batch chosen by the policy: requests of one bucket, oldest first."""
+
+    bucket: Hashable
+    items: list[Pending]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class BucketQueue:
+    """A bounded queue with one FIFO sub-queue per bucket."""
+
+    def __init__(self, policy: BatchPolicy) -> None:
+        self.policy = policy
+        self._buckets: OrderedDict[Hashable, deque[Pending]] = OrderedDict()
+        self._size = 0
+        self._cost = 0.0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __iter__(self) -> Iterator[Pending]:
+        for items in self._buckets.values():
+            yield from items
+
+    @property
+    def queued_cost(self) -> float:
+        """Sum of the `cost` of waiting requests (the work this queue represents)."""
+        return self._cost
+
+    def bucket_sizes(self) -> dict[Hashable, int]:
+        return {key: len(items) for key, items in self._buckets.items()}
+
+    def push(self, item: Pending, retry_after_s: float = 1.0) -> None:
+        """Add a request, or raise `QueueFull` when `max_queue` requests already wait."""
+        if self._size >= self.policy.max_queue:
+            raise QueueFull(self._size, retry_after_s)
+        self._buckets.setdefault(item.bucket, deque()).append(item)
+        self._size += 1
+        self._cost += item.cost
+
+    def remove(self, item: Pending) -> bool:
+        """Take a waiting request out (cancelled by its client). False if not queued."""
+        items = self._buckets.get(item.bucket)
+        if items is None or item not in items:
+            return False
+        items.remove(item)
+        self._forget(item)
+        if not items:
+            del self._buckets[item.bucket]
+        return True
+
+    def expire(self, now: float) -> list[Pending]:
+        """Remove and return every waiting request whose deadline has passed."""
+        expired = [item for item in self if item.deadline <= now]
+        for item in expired:
+            self.remove(item)
+        return expired
+
+    def is_ready(self, bucket: Hashable, now: float, flush: bool = False) -> bool:
+        items = self._buckets.get(bucket)
+        if not items:
+            return False
+        return (
+            flush
+            or len(items) >= self.policy.max_batch_size
+            or now - items[0].enqueued_at >= self.policy.max_wait_s
+        )
+
+    def next_batch(self, now: float, flush: bool = False) -> BatchPlan | None:
+        """Pop the next batch, or None if no bucket is ready.
+
+        Among ready buckets the one holding the earliest deadline goes first, so
+        a rare shape is not starved by a busy one. `flush` (used while draining)
+        makes every non-empty bucket ready.
+        """
+        ready = [key for key in self._buckets if self.is_ready(key, now, flush)]
+        if not ready:
+            return None
+        key = min(ready, key=lambda k: min(item.deadline for item in self._buckets[k]))
+        items = self._buckets[key]
+        take = [items.popleft() for _ in range(min(len(items), self.policy.max_batch_size))]
+        for item in take:
+            self._forget(item)
+        if not items:
+            del self._buckets[key]
+        return BatchPlan(bucket=key, items=take)
+
+    def next_wakeup(self) -> float | None:
+        """The earliest time at which a bucket's wait runs out or a deadline passes."""
+        times = []
+        for items in self._buckets.values():
+            times.append(items[0].enqueued_at + self.policy.max_wait_s)
+            times.append(min(item.deadline for item in items))
+        return min(times, default=None)
+
+    def _forget(self, item: Pending) -> None:
+        self._size -= 1
+        self._cost -= item.cost
+        if self._size == 0:
+            self._cost = 0.0  # no float drift once empty
+
+
+class DrainRate:
+    """Requests completed per second over a sliding window, for `Retry-After`."""
+
+    def __init__(self, window_s: float = 30.0) -> None:
+        self.window_s = window_s
+        self._events: deque[tuple[float, int]] = deque()
+        self._total = 0
+
+    def record(self, now: float, count: int) -> None:
+        self._events.append((now, count))
+        self._total += count
+        self._trim(now)
+
+    def per_second(self, now: float) -> float | None:
+        self._trim(now)
+        if not self._events:
+            return None
+        span = max(now - self._events[0][0], 1e-3)
+        return self._total / max(span, 1.0)
+
+    def retry_after(self, now: float, waiting: int, floor_s: float = 1.0) -> float:
+        """Seconds until `waiting` requests are likely served, at least `floor_s`."""
+        rate = self.per_second(now)
+        if not rate:
+            return floor_s
+        return max(floor_s, math.ceil(waiting / rate))
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.window_s:
+            _, count = self._events.popleft()
+            self._total -= count

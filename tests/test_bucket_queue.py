@@ -1,0 +1,157 @@
+"""The batch-forming policy, driven by a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batching import BatchPolicy, BucketQueue, DrainRate, Pending, QueueFull
+
+
+def pending(bucket, at: float, timeout: float = 10.0, name: str = "") -> Pending:
+    return Pending(payload=name, bucket=bucket, cost=1.0, enqueued_at=at, deadline=at + timeout)
+
+
+def test_a_bucket_waits_until_it_is_full_or_its_oldest_request_has_waited_long_enough():
+    queue = BucketQueue(BatchPolicy(max_batch_size=3, max_wait_s=0.5, max_queue=10))
+    queue.push(pending(64, at=0.0))
+    queue.push(pending(64, at=0.1))
+    assert queue.next_batch(now=0.2) is None
+    plan = queue.next_batch(now=0.5)
+    assert plan is not None and len(plan) == 2
+
+
+def test_a_full_bucket_launches_at_once():
+    queue = BucketQueue(BatchPolicy(max_batch_size=2, max_wait_s=60, max_queue=10))
+    queue.push(pending(64, at=0.0))
+    queue.push(pending(64, at=0.0))
+    plan = queue.next_batch(now=0.0)
+    assert plan is not None and plan.bucket == 64 and len(plan) == 2
+
+
+def test_a_batch_never_exceeds_max_batch_size_and_keeps_arrival_order():
+    queue = BucketQueue(BatchPolicy(max_batch_size=3, max_wait_s=0, max_queue=10))
+    for i in range(5):
+        queue.push(pending(64, at=0.0, name=str(i)))
+    first = queue.next_batch(now=1.0)
+    second = queue.next_batch(now=1.0)
+    assert [p.payload for p in first.items] == ["0", "1", "2"]
+    assert [p.payload for p in second.items] == ["3", "4"]
+    assert queue.next_batch(now=1.0) is None
+
+
+def test_requests_of_different_buckets_never_share_a_batch():
+    queue = BucketQueue(BatchPolicy(max_batch_size=8, max_wait_s=0, max_queue=10))
+    queue.push(pending(64, at=0.0))
+    queue.push(pending(128, at=0.0))
+    plans = [queue.next_batch(now=1.0), queue.next_batch(now=1.0)]
+    assert sorted(p.bucket for p in plans) == [64, 128]
+    assert all(len(p) == 1 for p in plans)
+
+
+def test_among_ready_buckets_the_earliest_deadline_goes_first():
+    queue = BucketQueue(BatchPolicy(max_batch_size=8, max_wait_s=0, max_queue=10))
+    queue.push(pending("busy", at=1.0, timeout=10))
+    queue.push(pending("rare", at=0.0, timeout=5))
+    queue.push(pending("busy", at=1.0, timeout=10))
+    assert queue.next_batch(now=2.0).bucket == "rare"
+
+
+def test_the_queue_refuses_requests_beyond_its_capacity_with_a_retry_hint():
+    queue = BucketQueue(BatchPolicy(max_batch_size=8, max_wait_s=1, max_queue=2))
+    queue.push(pending(64, at=0.0))
+    queue.push(pending(128, at=0.0))
+    with pytest.raises(QueueFull) as refused:
+        queue.push(pending(64, at=0.0), retry_after_s=7)
+    assert refused.value.retry_after_s == 7
+    assert len(queue) == 2
+
+
+def test_requests_past_their_deadline_are_dropped_from_the_queue():
+    queue = BucketQueue(BatchPolicy(max_batch_size=8, max_wait_s=100, max_queue=10))
+    late = pending(64, at=0.0, timeout=1.0)
+    queue.push(late)
+    queue.push(pending(64, at=0.5, timeout=5.0))
+    assert queue.expire(now=0.9) == []
+    assert queue.expire(now=1.0) == [late]
+    assert len(queue) == 1
+
+
+def test_a_removed_request_frees_its_slot():
+    queue = BucketQueue(BatchPolicy(max_batch_size=8, max_wait_s=1, max_queue=1))
+    gone = pending(64, at=0.0)
+    queue.push(gone)
+    assert queue.remove(gone)
+    assert not queue.remove(gone)
+    queue.push(pending(64, at=0.0))
+    assert len(queue) == 1
+
+
+def test_flush_makes_every_bucket_ready_for_draining():
+    queue = BucketQueue(BatchPolicy(max_batch_size=8, max_wait_s=100, max_queue=10))
+    queue.push(pending(64, at=0.0))
+    assert queue.next_batch(now=0.0) is None
+    assert len(queue.next_batch(now=0.0, flush=True)) == 1
+
+
+def test_next_wakeup_is_the_earliest_wait_expiry_or_deadline():
+    queue = BucketQueue(BatchPolicy(max_batch_size=8, max_wait_s=0.25, max_queue=10))
+    assert queue.next_wakeup() is None
+    queue.push(pending(64, at=1.0, timeout=10))
+    queue.push(pending(128, at=2.0, timeout=0.1))
+    assert queue.next_wakeup() == pytest.approx(1.25)
+
+
+def test_queued_cost_tracks_waiting_work():
+    queue = BucketQueue(BatchPolicy(max_batch_size=2, max_wait_s=0, max_queue=10))
+    for cost in (1.0, 2.0, 4.0):
+        queue.push(Pending(payload=None, bucket=0, cost=cost, enqueued_at=0, deadline=9))
+    assert queue.queued_cost == 7.0
+    queue.next_batch(now=1.0)
+    assert queue.queued_cost == 4.0
+
+
+def test_retry_after_follows_the_observed_drain_rate():
+    rate = DrainRate(window_s=30)
+    assert rate.retry_after(now=0.0, waiting=100) == 1.0  # nothing observed yet
+    for t in range(10):
+        rate.record(now=float(t), count=10)  # about 10 requests per second
+    assert rate.retry_after(now=10.0, waiting=100) == pytest.approx(10, abs=2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    arrivals=st.lists(
+        st.tuples(st.sampled_from([32, 64, 96]), st.floats(0, 5), st.floats(0.1, 3)),
+        max_size=40,
+    ),
+    max_batch=st.integers(1, 6),
+    max_wait=st.floats(0, 1),
+    capacity=st.integers(1, 30),
+)
+def test_every_accepted_request_leaves_exactly_once_in_a_valid_batch(
+    arrivals, max_batch, max_wait, capacity
+):
+    """Property: nothing is lost or duplicated; batches respect size and bucket."""
+    queue = BucketQueue(BatchPolicy(max_batch, max_wait, capacity))
+    accepted = []
+    for i, (bucket, at, timeout) in enumerate(sorted(arrivals, key=lambda a: a[1])):
+        item = Pending(payload=i, bucket=bucket, cost=1, enqueued_at=at, deadline=at + timeout)
+        try:
+            queue.push(item)
+            accepted.append(item)
+        except QueueFull:
+            assert len(queue) == capacity
+    out = []
+    now = 0.0
+    while len(queue):
+        now += 0.05
+        expired = queue.expire(now)
+        out.extend(expired)
+        while (plan := queue.next_batch(now)) is not None:
+            assert 1 <= len(plan) <= max_batch
+            assert {p.bucket for p in plan.items} == {plan.bucket}
+            out.extend(plan.items)
+    assert sorted(p.payload for p in out) == sorted(p.payload for p in accepted)
+    assert queue.queued_cost == 0
