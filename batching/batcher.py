@@ -389,4 +389,3 @@ class Batcher:
 
 def _all_cancelled(items: list[Pending]) -> bool:
     return all(item.cancelled for item in items)
-

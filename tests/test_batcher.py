@@ -9,8 +9,8 @@ import time
 import pytest
 
 from batching import (
-    BatchFailed,
     Batcher,
+    BatchFailed,
     BatchPolicy,
     DeadlineExceeded,
     Draining,
@@ -57,9 +57,7 @@ def make_batcher(model, **policy) -> Batcher:
 async def test_concurrent_requests_of_one_bucket_share_a_batch():
     model = FakeModel()
     batcher = make_batcher(model, max_batch_size=4, max_wait_s=0.2)
-    results = await asyncio.gather(
-        *(batcher.submit(i, bucket="a", timeout_s=5) for i in range(4))
-    )
+    results = await asyncio.gather(*(batcher.submit(i, bucket="a", timeout_s=5) for i in range(4)))
     assert [r.value for r in results] == [0, 2, 4, 6]
     assert [r.batch_size for r in results] == [4, 4, 4, 4]
     assert model.batches == [[0, 1, 2, 3]]

@@ -44,12 +44,19 @@ class FormulaImageSpec:
     std: float = 0.5
     margin: int = 2
     max_upscale: float | None = None
+    # Encoders with fixed position embeddings (ViT, DeiT: TrOCR-style models) take
+    # one size only; the strip is then stretched to height x max_width.
+    fixed_size: bool = False
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, channels: int = 1) -> FormulaImageSpec:
+    def from_pretrained(
+        cls, model_dir: str | Path, channels: int = 1, fixed_size: bool = False
+    ) -> FormulaImageSpec:
         """Read the `preprocessor_config.json` saved beside a formula model."""
         raw = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
         size = raw.get("size", {})
+        if isinstance(size, int):  # older processors store one square size
+            size = {"height": size, "width": size}
         mean = raw.get("image_mean", [0.5])
         std = raw.get("image_std", [0.5])
         return cls(
@@ -61,6 +68,7 @@ class FormulaImageSpec:
             std=float(std[0] if isinstance(std, list) else std),
             margin=int(raw.get("texel_margin", cls.margin)),
             max_upscale=raw.get("texel_max_upscale"),
+            fixed_size=fixed_size,
         )
 
     def to_preprocessor_config(self) -> dict:
@@ -146,6 +154,8 @@ def fit_to_height(gray: Image.Image, spec: FormulaImageSpec) -> Image.Image:
     A formula too wide for `max_width` at full height is scaled to fit the width
     and centred vertically on white, as is one that `max_upscale` keeps small.
     """
+    if spec.fixed_size:
+        return gray.resize((spec.max_width, spec.height), Image.Resampling.BILINEAR)
     width, height = gray.size
     scale = spec.height / height
     if spec.max_upscale is not None:

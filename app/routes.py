@@ -1,0 +1,227 @@
+"""Texel's HTTP routes."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+
+from app import serving
+from app.errors import ApiError, error_response, not_ready, to_api_error
+from app.http import check_api_key, read_image_upload, unless_disconnected
+from app.schemas import (
+    ErrorBody,
+    GeneratedImage,
+    GenerateRequest,
+    GenerateResponse,
+    Readiness,
+    RecognizeResponse,
+)
+from app.serving import Runtime, ServedModel
+from models.errors import InputError
+from telemetry import RequestTrace, metrics
+
+router = APIRouter()
+
+ERRORS = {
+    status: {"model": ErrorBody, "description": text}
+    for status, text in {
+        400: "Malformed request.",
+        401: "Missing or wrong API key.",
+        413: "Upload too large, in bytes or pixels.",
+        415: "Not a supported image.",
+        422: "A parameter is out of range.",
+        429: "Queue full; retry after `Retry-After` seconds.",
+        503: "Models not ready yet, or the server is draining.",
+        504: "The request's deadline passed.",
+    }.items()
+}
+
+
+def runtime_of(request: Request) -> Runtime:
+    return request.app.state.runtime
+
+
+def authorized(request: Request) -> None:
+    check_api_key(request, runtime_of(request).settings.api_keys)
+
+
+def served_model(runtime: Runtime, key: str) -> ServedModel:
+    served = runtime.models.get(key)
+    if served is None:
+        raise ApiError(404, "model_disabled", f"the {key} model is not enabled on this server")
+    if runtime.draining:
+        raise ApiError(503, "draining", "the server is shutting down", {"Retry-After": "1"})
+    if served.state == "failed":
+        raise ApiError(503, "model_failed", f"the {key} model failed to load: {served.error}")
+    if not served.ready:
+        raise not_ready()
+    return served
+
+
+class _Observed:
+    """Counts a request in flight and records its duration, status and rejection reason."""
+
+    def __init__(self, route: str, model: str) -> None:
+        self.route = route
+        self.model = model
+
+    def __enter__(self):
+        self.started = time.perf_counter()
+        metrics.INFLIGHT.labels(self.route).inc()
+        return self
+
+    def finish(self, status: int, trace_id: str | None) -> None:
+        metrics.REQUEST_DURATION.labels(self.route, str(status)).observe(
+            time.perf_counter() - self.started,
+            exemplar={"trace_id": trace_id} if trace_id else None,
+        )
+
+    def __exit__(self, *exc_info):
+        metrics.INFLIGHT.labels(self.route).dec()
+
+
+async def _handle(request: Request, route: str, key: str, flow) -> Response:
+    """Common shape of an inference request: checks, stages, metrics and error mapping."""
+    runtime = runtime_of(request)
+    with _Observed(route, key) as observed:
+        trace: RequestTrace | None = None
+        try:
+            served = served_model(runtime, key)
+            trace = RequestTrace(served.name, served.adapter.operation)
+            response = await flow(runtime, served, trace)
+            observed.finish(response.status_code, trace.trace_id)
+            return response
+        except Exception as exc:
+            error = to_api_error(exc)
+            if isinstance(exc, InputError | ApiError) and error.status < 500:
+                metrics.REJECTED.labels(key, "invalid").inc()
+            elif error.status == 503 and error.code in ("not_ready", "model_failed"):
+                metrics.REJECTED.labels(key, "not_ready").inc()
+            elif error.status == 500:
+                metrics.REJECTED.labels(key, "failed").inc()
+            observed.finish(error.status, trace.trace_id if trace else None)
+            return error_response(error)
+
+
+@router.post(
+    "/recognize",
+    response_model=RecognizeResponse,
+    responses=ERRORS,
+    dependencies=[Depends(authorized)],
+    summary="Recognize a printed formula",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["image"],
+                        "properties": {"image": {"type": "string", "format": "binary"}},
+                    }
+                },
+                "application/json": {"schema": {"$ref": "#/components/schemas/RecognizeJSON"}},
+            },
+        }
+    },
+)
+async def recognize(request: Request) -> Response:
+    """A picture of a printed math formula (PNG, JPEG, WebP, BMP, GIF) in, LaTeX out.
+
+    Send the file as multipart field `image`, or as JSON `{"image_base64": "..."}`.
+    """
+
+    async def flow(runtime: Runtime, served: ServedModel, trace: RequestTrace) -> Response:
+        with trace.stage("http.parse"):
+            data = await read_image_upload(request, runtime.settings.max_upload_bytes)
+        latex, compact, result = await unless_disconnected(
+            request, serving.recognize(runtime, served, trace, data)
+        )
+        body = RecognizeResponse(
+            latex=latex,
+            latex_compact=compact,
+            model=served.name,
+            batch_size=result.batch_size,
+            timings_ms=trace.timings_ms,
+        )
+        return JSONResponse(body.model_dump())
+
+    return await _handle(request, "/recognize", "formula", flow)
+
+
+@router.post(
+    "/generate",
+    response_model=GenerateResponse,
+    responses={
+        **ERRORS,
+        200: {
+            "description": "JSON; or the PNG itself with `Accept: image/png` and one image.",
+            "content": {"image/png": {}},
+        },
+    },
+    dependencies=[Depends(authorized)],
+    summary="Generate images from a prompt",
+)
+async def generate(request: Request, body: GenerateRequest) -> Response:
+    """A text prompt in, images out. The same seed and parameters give the same image."""
+    from models.image.adapter import ImageRequest
+
+    async def flow(runtime: Runtime, served: ServedModel, trace: RequestTrace) -> Response:
+        with trace.stage("http.parse"):
+            wants_png = "image/png" in request.headers.get("accept", "")
+            if wants_png and body.num_images != 1:
+                raise ApiError(422, "invalid_parameter", "Accept: image/png needs num_images = 1")
+            job = ImageRequest(**body.model_dump())
+        pngs, seeds, result = await unless_disconnected(
+            request, serving.generate(runtime, served, trace, job)
+        )
+        if wants_png:
+            return Response(
+                pngs[0],
+                media_type="image/png",
+                headers={
+                    "X-Texel-Seed": str(seeds[0]),
+                    "X-Texel-Batch-Size": str(result.batch_size),
+                },
+            )
+        out = GenerateResponse(
+            images=[
+                GeneratedImage(png_base64=serving.b64(p), seed=s)
+                for p, s in zip(pngs, seeds, strict=True)
+            ],
+            model=served.name,
+            batch_size=result.batch_size,
+            timings_ms=trace.timings_ms,
+        )
+        return JSONResponse(out.model_dump())
+
+    return await _handle(request, "/generate", "image", flow)
+
+
+@router.get("/livez", summary="The process is up")
+async def livez() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get(
+    "/readyz",
+    response_model=Readiness,
+    responses={503: {"model": Readiness, "description": "Loading, failed or draining."}},
+    summary="Models loaded and warmed up, not draining",
+)
+async def readyz(request: Request) -> JSONResponse:
+    runtime = runtime_of(request)
+    body = Readiness(
+        ready=runtime.ready,
+        draining=runtime.draining,
+        models={key: m.state for key, m in runtime.models.items()},
+    )
+    return JSONResponse(body.model_dump(), status_code=200 if runtime.ready else 503)
+
+
+@router.get("/metrics", summary="Prometheus metrics (OpenMetrics when asked for)")
+async def prometheus_metrics(request: Request) -> Response:
+    payload, content_type = metrics.exposition(request.headers.get("accept"))
+    return Response(payload, media_type=content_type)

@@ -1,0 +1,74 @@
+"""Request and response bodies: the single source of truth for validation and OpenAPI."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="Stable machine-readable error code, e.g. `queue_full`.")
+    message: str = Field(description="What went wrong and what to do about it.")
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class RecognizeJSON(BaseModel):
+    """JSON alternative to the multipart upload."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image_base64: str = Field(
+        min_length=1, description="The image file (PNG, JPEG, WebP, BMP or GIF), base64-encoded."
+    )
+
+
+class RecognizeResponse(BaseModel):
+    latex: str = Field(description="Normalized LaTeX, tokens separated by spaces.")
+    latex_compact: str = Field(description="The same LaTeX without the separating spaces.")
+    model: str = Field(description="The model that answered.")
+    batch_size: int = Field(description="Size of the batch this request ran in.")
+    timings_ms: dict[str, float] = Field(description="Milliseconds spent in each stage.")
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1, max_length=2000, description="What to draw.")
+    negative_prompt: str | None = Field(
+        None, max_length=2000, description="What to steer away from (needs guidance > 1)."
+    )
+    width: int | None = Field(None, ge=8, le=4096, description="Default: the model's size.")
+    height: int | None = Field(None, ge=8, le=4096, description="Default: the model's size.")
+    num_inference_steps: int | None = Field(
+        None, ge=1, le=1000, description="Denoising steps. Default: the model's."
+    )
+    guidance_scale: float | None = Field(
+        None, ge=0, le=50, description="Classifier-free guidance. Default: the model's."
+    )
+    seed: int | None = Field(
+        None,
+        ge=0,
+        le=2**32 - 1,
+        description="Seed of the first image; image i uses seed + i. Random when absent.",
+    )
+    num_images: int = Field(1, ge=1, le=4, description="Images to generate for this prompt.")
+
+
+class GeneratedImage(BaseModel):
+    png_base64: str = Field(description="The PNG file, base64-encoded.")
+    seed: int = Field(description="Seed that reproduces this image with the same parameters.")
+
+
+class GenerateResponse(BaseModel):
+    images: list[GeneratedImage]
+    model: str
+    batch_size: int = Field(description="Images in the pipeline call this request ran in.")
+    timings_ms: dict[str, float]
+
+
+class Readiness(BaseModel):
+    ready: bool
+    draining: bool
+    models: dict[str, str] = Field(description="Each model's state: loading, ready or failed.")

@@ -1,0 +1,240 @@
+"""The runtime behind the routes: each served model with its batcher, and the request flows.
+
+A request flows through named stages: `http.parse` (in the route), `preprocess`
+and `tokenize` on a thread pool, `queue.wait` and `generate` in the batcher,
+`postprocess` on the pool again. Every stage is timed by `RequestTrace`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry.trace import Link
+
+from app.settings import ModelSettings, Settings
+from batching import Batcher, BatchPolicy, Worker
+from models.devices import resolve_devices
+from telemetry import BatchTelemetry, RequestTrace, metrics
+
+log = logging.getLogger(__name__)
+
+
+class ServedModel:
+    """One adapter, its per-device workers and its batcher."""
+
+    def __init__(self, key: str, adapter: Any, settings: ModelSettings, timeout_s: float) -> None:
+        self.key = key
+        self.adapter = adapter
+        self.settings = settings
+        self.timeout_s = timeout_s
+        self.state = "loading"
+        self.error: str | None = None
+        self.batcher: Batcher | None = None
+
+    @property
+    def name(self) -> str:
+        return self.adapter.name
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    async def start(self) -> None:
+        """Load and warm up off the event loop, then start batching."""
+        started = time.perf_counter()
+        try:
+            await asyncio.to_thread(self.adapter.load)
+            await asyncio.to_thread(self.adapter.warmup, self.settings.max_batch_size)
+        except Exception as exc:
+            self.state = "failed"
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.exception("could not load the %s model from %s", self.key, self.settings.model)
+            return
+        workers = [
+            Worker(str(device), self.adapter.runner(device)) for device in self.adapter.devices
+        ]
+        policy = BatchPolicy(
+            max_batch_size=self.settings.max_batch_size,
+            max_wait_s=self.settings.max_wait_ms / 1000,
+            max_queue=self.settings.max_queue,
+        )
+        observer = BatchTelemetry(
+            self.name, self.adapter.operation, padding_efficiency=self.adapter.padding_efficiency
+        )
+        self.batcher = Batcher(self.key, workers, policy, observer=observer)
+        self.batcher.start()
+        self.state = "ready"
+        metrics.MODEL_READY.labels(self.name).set(1)
+        log.info(
+            "%s model %s ready on %s in %.1f s",
+            self.key,
+            self.name,
+            ", ".join(w.name for w in workers),
+            time.perf_counter() - started,
+        )
+
+    async def submit(self, trace: RequestTrace, payload: Any) -> Any:
+        """Queue a preprocessed payload; record `queue.wait` and `generate` spans."""
+        assert self.batcher is not None
+        submitted_ns = time.time_ns()
+        result = await self.batcher.submit(
+            payload,
+            bucket=self.adapter.bucket(payload),
+            cost=self.adapter.cost(payload),
+            timeout_s=self.timeout_s,
+            context=trace.span_context,
+        )
+        bucket = str(self.adapter.bucket(payload))
+        trace.record("queue.wait", submitted_ns, result.queue_wait_s, **{"texel.bucket": bucket})
+        links = [Link(result.batch_ref)] if result.batch_ref is not None else None
+        trace.record(
+            "generate",
+            submitted_ns + int(result.queue_wait_s * 1e9),
+            result.run_s,
+            links=links,
+            **{
+                "texel.batch.size": result.batch_size,
+                "texel.bucket": bucket,
+                "texel.device": result.worker,
+            },
+        )
+        return result
+
+
+@dataclass
+class Runtime:
+    """Everything the app holds between requests; built and torn down by the lifespan."""
+
+    settings: Settings
+    models: dict[str, ServedModel] = field(default_factory=dict)
+    pool: ThreadPoolExecutor | None = None
+    draining: bool = False
+    loader: asyncio.Task | None = None
+
+    @property
+    def ready(self) -> bool:
+        return (
+            bool(self.models) and not self.draining and all(m.ready for m in self.models.values())
+        )
+
+    async def run_in_pool(self, fn, *args):
+        assert self.pool is not None
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def start(self) -> None:
+        threads = self.settings.preprocess_threads or (os.cpu_count() or 2)
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="texel-preprocess")
+        self.models = _build_models(self.settings)
+        # Load in the background: /livez answers at once and /readyz reports progress.
+        self.loader = asyncio.get_running_loop().create_task(self._load_all())
+
+    async def _load_all(self) -> None:
+        for model in self.models.values():
+            await model.start()
+
+    async def drain(self) -> None:
+        """Stop taking requests and finish every queued and running one."""
+        self.draining = True
+        timeout = self.settings.drain_timeout_s
+        batchers = [m.batcher for m in self.models.values() if m.batcher is not None]
+        await asyncio.gather(*(b.drain(timeout) for b in batchers))
+
+    async def close(self) -> None:
+        self.draining = True
+        if self.loader is not None and not self.loader.done():
+            self.loader.cancel()
+        for model in self.models.values():
+            if model.batcher is not None:
+                await model.batcher.close()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _build_models(settings: Settings) -> dict[str, ServedModel]:
+    from models.formula.adapter import FormulaRecognizer
+    from models.image.adapter import ImageGenerator
+
+    devices = resolve_devices(settings.device)
+    served: dict[str, ServedModel] = {}
+    if settings.formula.enabled:
+        f = settings.formula
+        adapter = FormulaRecognizer(
+            f.model,
+            devices,
+            dtype=settings.dtype,
+            bucket_step=f.bucket_width,
+            num_beams=f.num_beams,
+            max_new_tokens=f.max_new_tokens,
+            max_pixels=settings.max_image_pixels,
+        )
+        served["formula"] = ServedModel("formula", adapter, f, settings.request_timeout_s)
+    if settings.image.enabled:
+        i = settings.image
+        adapter = ImageGenerator(
+            i.model, devices, dtype=settings.dtype, max_steps=i.max_steps, max_side=i.max_side
+        )
+        served["image"] = ServedModel("image", adapter, i, settings.request_timeout_s)
+    return served
+
+
+# -- request flows ---------------------------------------------------------------
+
+
+async def recognize(runtime: Runtime, served: ServedModel, trace: RequestTrace, data: bytes):
+    adapter = served.adapter
+    with trace.stage("preprocess", **{"texel.input.bytes": len(data)}) as span:
+        item = await runtime.run_in_pool(adapter.preprocess, data)
+        span.set_attribute("texel.input.width", item.width)
+        span.set_attribute("texel.bucket", item.bucket)
+    result = await served.submit(trace, item)
+    with trace.stage("tokenize") as span:
+        latex = adapter.detokenize(result.value)
+        tokens = len(result.value.token_ids)
+        span.set_attribute("gen_ai.usage.output_tokens", tokens)
+    with trace.stage("postprocess"):
+        from models.formula.adapter import compact_latex
+
+        compact = compact_latex(latex)
+    metrics.OUTPUT_TOKENS.labels(served.name).observe(tokens)
+    metrics.TIME_PER_OUTPUT_TOKEN.labels(served.name).observe(result.value.decode_s)
+    return latex, compact, result
+
+
+async def generate(runtime: Runtime, served: ServedModel, trace: RequestTrace, request):
+    adapter = served.adapter
+    with trace.stage("preprocess") as span:
+        job = adapter.preprocess(request)
+        span.set_attribute("texel.image.width", job.width)
+        span.set_attribute("texel.image.height", job.height)
+        span.set_attribute("texel.steps", job.steps)
+    with trace.stage("tokenize") as span:
+        job = await runtime.run_in_pool(adapter.tokenize, job)
+        span.set_attribute("gen_ai.usage.input_tokens", job.prompt_tokens)
+    result = await served.submit(trace, job)
+    with trace.stage("postprocess", **{"texel.images": len(job.seeds)}):
+        pngs = await runtime.run_in_pool(_encode_pngs, result.value.images)
+    for step_s in result.value.step_s:
+        metrics.DENOISING_STEP.labels(served.name).observe(step_s)
+    metrics.IMAGES_GENERATED.labels(served.name).inc(len(pngs))
+    return pngs, result.value.seeds, result
+
+
+def _encode_pngs(images) -> list[bytes]:
+    out = []
+    for image in images:
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        out.append(buffer.getvalue())
+    return out
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")

@@ -1,0 +1,103 @@
+"""Texel's settings, read from `TEXEL_*` environment variables (nested with `__`).
+
+TEXEL_DEVICE=cuda:0 TEXEL_FORMULA__MAX_BATCH_SIZE=64 texel serve
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+
+
+class ModelSettings(BaseModel):
+    """Settings of one served model and its batcher."""
+
+    enabled: bool = Field(True, description="Load and serve this model.")
+    model: str = Field(description="A local directory or a Hugging Face hub id.")
+    max_batch_size: int = Field(8, ge=1, le=1024, description="Largest batch run at once.")
+    max_wait_ms: float = Field(
+        10.0, ge=0, description="How long the first request of a bucket waits for company."
+    )
+    max_queue: int = Field(
+        256, ge=1, description="Requests waiting for a batch before new ones get 429."
+    )
+
+
+class FormulaSettings(ModelSettings):
+    model: str = Field(
+        str(MODELS_DIR / "formula" / "default"),
+        description="VisionEncoderDecoderModel directory or hub id.",
+    )
+    max_batch_size: int = Field(16, ge=1, le=1024)
+    bucket_width: int = Field(
+        64, ge=8, description="Width granularity of formula buckets, in input pixels."
+    )
+    num_beams: int = Field(1, ge=1, le=16, description="1 is greedy decoding.")
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="Longest output; default from the model's generation config."
+    )
+
+
+class ImageSettings(ModelSettings):
+    model: str = Field(
+        str(MODELS_DIR / "image" / "default"),
+        description="diffusers text-to-image pipeline directory or hub id.",
+    )
+    max_batch_size: int = Field(4, ge=1, le=256)
+    max_wait_ms: float = Field(20.0, ge=0)
+    max_queue: int = Field(64, ge=1)
+    max_steps: int = Field(100, ge=1, description="Largest num_inference_steps accepted.")
+    max_side: int = Field(1024, ge=8, description="Largest width or height accepted.")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="TEXEL_", env_nested_delimiter="__", extra="ignore"
+    )
+
+    device: str = Field("auto", description="auto, cpu, cuda (every GPU) or cuda:N.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="auto is fp16/bf16 on GPUs and fp32 on the CPU."
+    )
+    request_timeout_s: float = Field(
+        60.0, gt=0, description="Deadline of a request from arrival; past it, 504."
+    )
+    max_upload_bytes: int = Field(10 * 1024 * 1024, ge=1024, description="Largest image upload.")
+    max_image_pixels: int = Field(
+        16_000_000, ge=1, description="Largest decoded image (width x height)."
+    )
+    log_format: Literal["json", "text"] = Field("text", description="json: one object a line.")
+    log_level: str = Field("INFO")
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Origins allowed to call the API from a browser."
+    )
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="When set, requests need Authorization: Bearer <key>."
+    )
+    shutdown_grace_s: float = Field(
+        0.0, ge=0, description="On SIGTERM, report not-ready this long before draining."
+    )
+    drain_timeout_s: float = Field(30.0, ge=0, description="Longest wait for queued work on exit.")
+    preprocess_threads: int = Field(
+        0, ge=0, description="Threads decoding images; 0 means one per CPU core."
+    )
+    formula: FormulaSettings = Field(default_factory=FormulaSettings)
+    image: ImageSettings = Field(default_factory=ImageSettings)
+
+    @field_validator("cors_origins", "api_keys", mode="before")
+    @classmethod
+    def _comma_separated(cls, value):
+        """Accept `a,b` as well as a JSON list."""
+        if isinstance(value, str):
+            value = value.strip()
+            if value.startswith("["):
+                import json
+
+                return json.loads(value)
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value

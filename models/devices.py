@@ -1,0 +1,41 @@
+"""Which devices and dtypes a model runs on."""
+
+from __future__ import annotations
+
+import torch
+
+
+def resolve_devices(setting: str) -> list[torch.device]:
+    """Turn `TEXEL_DEVICE` (auto, cpu, cuda, cuda:N) into the devices to run workers on.
+
+    `auto` and `cuda` mean every visible GPU, one worker each; `auto` falls back
+    to the CPU on a machine without CUDA.
+    """
+    setting = setting.strip().lower()
+    if setting == "cpu":
+        return [torch.device("cpu")]
+    if setting in ("auto", "cuda"):
+        if torch.cuda.is_available():
+            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        if setting == "cuda":
+            raise RuntimeError("TEXEL_DEVICE=cuda but no CUDA device is available")
+        return [torch.device("cpu")]
+    if setting.startswith("cuda:"):
+        index = int(setting.split(":", 1)[1])
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise RuntimeError(f"TEXEL_DEVICE={setting} but that CUDA device is not available")
+        return [torch.device("cuda", index)]
+    raise ValueError(f"unknown device {setting!r}; use auto, cpu, cuda or cuda:N")
+
+
+def resolve_dtype(setting: str, device: torch.device, half: torch.dtype) -> torch.dtype:
+    """`auto` is `half` (fp16/bf16) on a GPU and fp32 on the CPU."""
+    if setting == "auto":
+        return half if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[setting]
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError | MemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    )

@@ -1,0 +1,216 @@
+"""`FormulaRecognizer`: a picture of a printed formula in, LaTeX out.
+
+Any transformers `VisionEncoderDecoderModel` with its tokenizer and
+`preprocessor_config.json`, from a local directory or a hub id. The lifecycle is
+the same as every Texel adapter: load, warm up, preprocess one request, bucket
+and cost, run a batch on a device, postprocess one result.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import (
+    AutoTokenizer,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    VisionEncoderDecoderModel,
+)
+from transformers.utils import cached_file
+
+from batching import OutOfMemory
+from models.devices import is_out_of_memory, resolve_dtype
+from models.formula.preprocess import (
+    FormulaImageSpec,
+    bucket_width,
+    decode_image,
+    pad_and_normalize,
+    prepare_strip,
+)
+
+# Encoders whose position information copes with any input width.
+VARIABLE_WIDTH_ENCODERS = frozenset({"swin", "donut-swin", "swinv2"})
+
+
+@dataclass(frozen=True)
+class FormulaInput:
+    """One preprocessed formula: its grayscale strip and the bucket it pads to."""
+
+    strip: np.ndarray  # uint8 [height, width]
+    bucket: int  # padded width
+
+    @property
+    def width(self) -> int:
+        return int(self.strip.shape[1])
+
+
+@dataclass(frozen=True)
+class FormulaTokens:
+    """What a batch returns per request: generated token ids, before detokenization."""
+
+    token_ids: list[int]
+    decode_s: float  # the batch's decode time divided by its longest output
+
+
+class _StopWhen(StoppingCriteria):
+    """Ends `generate()` early once every request in the batch has gone away."""
+
+    def __init__(self, should_stop) -> None:
+        self.should_stop = should_stop
+
+    def __call__(self, input_ids, scores, **kwargs):
+        stop = bool(self.should_stop())
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
+class FormulaRecognizer:
+    """Adapter for printed-formula recognition with a VisionEncoderDecoder model."""
+
+    operation = "generate_content"
+
+    def __init__(
+        self,
+        source: str,
+        devices: list[torch.device],
+        *,
+        dtype: str = "auto",
+        bucket_step: int = 64,
+        num_beams: int = 1,
+        max_new_tokens: int | None = None,
+        max_pixels: int = 16_000_000,
+    ) -> None:
+        self.source = source
+        self.name = Path(source).name if Path(source).exists() else source
+        self.devices = devices
+        self.dtype_setting = dtype
+        self.bucket_step = bucket_step
+        self.num_beams = num_beams
+        self.max_new_tokens = max_new_tokens
+        self.max_pixels = max_pixels
+        self.spec: FormulaImageSpec | None = None
+        self.tokenizer = None
+        self._models: dict[str, VisionEncoderDecoderModel] = {}
+        self._tokenizer_lock = threading.Lock()
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def load(self) -> None:
+        """Load the tokenizer once and one model replica per device."""
+        self.tokenizer = AutoTokenizer.from_pretrained(self.source)
+        for device in self.devices:
+            dtype = resolve_dtype(self.dtype_setting, device, torch.bfloat16)
+            model = VisionEncoderDecoderModel.from_pretrained(self.source, dtype=dtype)
+            self._models[str(device)] = model.to(device).eval()
+        config = next(iter(self._models.values())).config
+        encoder_type = config.encoder.model_type
+        processor_file = cached_file(self.source, "preprocessor_config.json")
+        self.spec = FormulaImageSpec.from_pretrained(
+            Path(processor_file).parent,
+            channels=int(getattr(config.encoder, "num_channels", 1)),
+            fixed_size=encoder_type not in VARIABLE_WIDTH_ENCODERS,
+        )
+        if self.max_new_tokens is None:
+            generation = next(iter(self._models.values())).generation_config
+            self.max_new_tokens = int(getattr(generation, "max_new_tokens", None) or 256)
+
+    def warmup(self, max_batch_size: int) -> None:
+        """Run every bucket width once and the largest batch once, on every device."""
+        spec = self._spec
+        widths = sorted(
+            {bucket_width(w, spec, self.bucket_step) for w in range(1, spec.max_width + 1)}
+        )
+        blank = np.full((spec.height, spec.width_multiple), 255, dtype=np.uint8)
+        for device in self._models:
+            for width in widths:
+                self._generate(
+                    device, [FormulaInput(blank, width)], lambda: False, max_new_tokens=2
+                )
+            batch = [FormulaInput(blank, widths[0])] * max_batch_size
+            self._generate(device, batch, lambda: False, max_new_tokens=2)
+
+    # -- per request ---------------------------------------------------------
+
+    def preprocess(self, data: bytes) -> FormulaInput:
+        """Decode and normalize one upload (CPU, off the event loop)."""
+        strip = prepare_strip(decode_image(data, self.max_pixels), self._spec)
+        return FormulaInput(strip, bucket_width(strip.shape[1], self._spec, self.bucket_step))
+
+    def bucket(self, item: FormulaInput) -> int:
+        return item.bucket
+
+    def cost(self, item: FormulaInput) -> float:
+        """Encoder work grows with the padded width; decoding dominates and is per request."""
+        return 1.0 + item.bucket / self._spec.max_width
+
+    def padding_efficiency(self, batch: list[FormulaInput]) -> float | None:
+        padded = sum(item.bucket for item in batch)
+        return sum(min(item.width, item.bucket) for item in batch) / padded if padded else None
+
+    def runner(self, device: torch.device):
+        """The function the batcher calls on `device`'s worker thread."""
+        key = str(device)
+
+        def run(batch: list[FormulaInput], should_stop) -> list[FormulaTokens]:
+            return self._generate(key, batch, should_stop)
+
+        return run
+
+    def detokenize(self, tokens: FormulaTokens) -> str:
+        """Token ids to normalized, space-separated LaTeX (the `tokenize` stage)."""
+        with self._tokenizer_lock:  # fast tokenizers are not safe to share across threads
+            text = self.tokenizer.decode(tokens.token_ids, skip_special_tokens=True)
+        return " ".join(text.split())
+
+    # -- internals -----------------------------------------------------------
+
+    @property
+    def _spec(self) -> FormulaImageSpec:
+        if self.spec is None:
+            raise RuntimeError("FormulaRecognizer.load() has not run")
+        return self.spec
+
+    def _generate(
+        self, device: str, batch: list[FormulaInput], should_stop, max_new_tokens: int | None = None
+    ) -> list[FormulaTokens]:
+        model = self._models[device]
+        width = max(item.bucket for item in batch)
+        pixels = torch.from_numpy(pad_and_normalize([i.strip for i in batch], width, self._spec))
+        pixels = pixels.to(model.device, dtype=model.dtype, non_blocking=True)
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                output = model.generate(
+                    pixel_values=pixels,
+                    max_new_tokens=max_new_tokens or self.max_new_tokens,
+                    num_beams=self.num_beams,
+                    do_sample=False,
+                    stopping_criteria=StoppingCriteriaList([_StopWhen(should_stop)]),
+                )
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                raise OutOfMemory(str(exc)) from exc
+            raise
+        elapsed = time.perf_counter() - started
+        ids = output.tolist()
+        special = set(self.tokenizer.all_special_ids)
+        per_row = [[t for t in row if t not in special] for row in ids]
+        longest = max((len(r) for r in per_row), default=1) or 1
+        return [FormulaTokens(row, elapsed / longest) for row in per_row]
+
+
+def compact_latex(latex: str) -> str:
+    """Drop the token-separating spaces except where LaTeX needs them (`\\alpha x`)."""
+    tokens = latex.split()
+    out = []
+    for token in tokens:
+        if out and out[-1][-1:].isalpha() and out[-1].startswith("\\") and token[:1].isalpha():
+            out.append(" ")
+        out.append(token)
+    return "".join(out)

@@ -1,0 +1,257 @@
+"""`ImageGenerator`: a text prompt in, images out, through any diffusers pipeline.
+
+Loaded with `DiffusionPipeline.from_pretrained` from a directory or hub id. Every
+image gets its own seeded generator, so an image depends only on its prompt,
+seed and settings, never on the batch it ran in. Requests with equal size,
+steps and guidance share one pipeline call.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from diffusers import DiffusionPipeline
+from PIL import Image
+from transformers.utils import cached_file
+
+from batching import OutOfMemory
+from models.devices import is_out_of_memory, resolve_dtype
+from models.errors import InvalidParameter
+
+DEFAULTS_FILE = "texel.json"  # optional {"num_inference_steps", "guidance_scale"}
+
+
+@dataclass(frozen=True)
+class ImageRequest:
+    """A validated /generate request; None means "the model's default"."""
+
+    prompt: str
+    negative_prompt: str | None = None
+    width: int | None = None
+    height: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int | None = None
+    num_images: int = 1
+
+
+@dataclass(frozen=True)
+class ImageJob:
+    """A request with every default filled in: what a batch runs."""
+
+    prompt: str
+    negative_prompt: str | None
+    width: int
+    height: int
+    steps: int
+    guidance: float
+    seeds: tuple[int, ...]
+    prompt_tokens: int = 0
+
+
+@dataclass
+class GeneratedImages:
+    images: list[Image.Image]
+    seeds: tuple[int, ...]
+    step_s: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ImageDefaults:
+    width: int
+    height: int
+    steps: int
+    guidance: float
+
+
+class ImageGenerator:
+    """Adapter for text-to-image generation with a diffusers pipeline."""
+
+    operation = "generate_content"
+
+    def __init__(
+        self,
+        source: str,
+        devices: list[torch.device],
+        *,
+        dtype: str = "auto",
+        max_steps: int = 100,
+        max_side: int = 1024,
+    ) -> None:
+        self.source = source
+        self.name = Path(source).name if Path(source).exists() else source
+        self.devices = devices
+        self.dtype_setting = dtype
+        self.max_steps = max_steps
+        self.max_side = max_side
+        self.defaults: ImageDefaults | None = None
+        self.size_multiple = 8
+        self._pipes: dict[str, DiffusionPipeline] = {}
+        self._tokenizer_lock = threading.Lock()
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def load(self) -> None:
+        for device in self.devices:
+            dtype = resolve_dtype(self.dtype_setting, device, torch.float16)
+            pipe = DiffusionPipeline.from_pretrained(self.source, torch_dtype=dtype)
+            pipe.set_progress_bar_config(disable=True)
+            self._pipes[str(device)] = pipe.to(device)
+        self.defaults = self._read_defaults(next(iter(self._pipes.values())))
+
+    def warmup(self, max_batch_size: int) -> None:
+        """One full batch at the default settings on every device."""
+        d = self._defaults
+        job = ImageJob("warm-up", None, d.width, d.height, min(d.steps, 2), d.guidance, (0,))
+        for device in self._pipes:
+            self._generate(device, [job] * max_batch_size, lambda: False)
+
+    # -- per request ---------------------------------------------------------
+
+    def preprocess(self, request: ImageRequest) -> ImageJob:
+        """Fill defaults, validate against this model, count prompt tokens."""
+        d = self._defaults
+        width = request.width or d.width
+        height = request.height or d.height
+        for side, value in (("width", width), ("height", height)):
+            if value % self.size_multiple or not self.size_multiple <= value <= self.max_side:
+                raise InvalidParameter(
+                    f"{side} must be a multiple of {self.size_multiple} between "
+                    f"{self.size_multiple} and {self.max_side}; got {value}"
+                )
+        steps = request.num_inference_steps or d.steps
+        if steps > self.max_steps:
+            raise InvalidParameter(f"num_inference_steps must be at most {self.max_steps}")
+        guidance = d.guidance if request.guidance_scale is None else request.guidance_scale
+        seed = secrets.randbelow(2**31) if request.seed is None else request.seed
+        seeds = tuple(seed + i for i in range(request.num_images))
+        return ImageJob(
+            prompt=request.prompt,
+            negative_prompt=request.negative_prompt,
+            width=width,
+            height=height,
+            steps=steps,
+            guidance=guidance,
+            seeds=seeds,
+        )
+
+    def tokenize(self, job: ImageJob) -> ImageJob:
+        """Encode the prompt with the pipeline's tokenizer: refuse one it would truncate."""
+        tokenizer = getattr(next(iter(self._pipes.values())), "tokenizer", None)
+        if tokenizer is None:
+            return job
+        with self._tokenizer_lock:
+            ids = tokenizer(job.prompt, truncation=False)["input_ids"]
+        limit = getattr(tokenizer, "model_max_length", None)
+        if limit and limit < 1_000_000 and len(ids) > limit:
+            raise InvalidParameter(
+                f"the prompt is {len(ids)} tokens long; this model reads at most {limit}"
+            )
+        return ImageJob(**{**job.__dict__, "prompt_tokens": len(ids)})
+
+    def bucket(self, job: ImageJob) -> tuple[int, int, int, float]:
+        """A pipeline call takes one size, step count and guidance scale."""
+        return (job.height, job.width, job.steps, job.guidance)
+
+    def cost(self, job: ImageJob) -> float:
+        d = self._defaults
+        return len(job.seeds) * job.steps * (job.width * job.height) / (d.width * d.height)
+
+    def padding_efficiency(self, batch: list[ImageJob]) -> float | None:
+        return 1.0  # one bucket means one shape: nothing is padded
+
+    def runner(self, device: torch.device):
+        key = str(device)
+
+        def run(batch: list[ImageJob], should_stop) -> list[GeneratedImages]:
+            return self._generate(key, batch, should_stop)
+
+        return run
+
+    # -- internals -----------------------------------------------------------
+
+    @property
+    def _defaults(self) -> ImageDefaults:
+        if self.defaults is None:
+            raise RuntimeError("ImageGenerator.load() has not run")
+        return self.defaults
+
+    def _read_defaults(self, pipe: DiffusionPipeline) -> ImageDefaults:
+        params = inspect.signature(pipe.__call__).parameters
+        steps = params["num_inference_steps"].default if "num_inference_steps" in params else 25
+        guidance = params["guidance_scale"].default if "guidance_scale" in params else 7.5
+        try:
+            path = cached_file(
+                self.source, DEFAULTS_FILE, _raise_exceptions_for_missing_entries=False
+            )
+        except OSError:
+            path = None
+        if path:
+            saved = json.loads(Path(path).read_text())
+            steps = int(saved.get("num_inference_steps", steps))
+            guidance = float(saved.get("guidance_scale", guidance))
+        scale = getattr(pipe, "vae_scale_factor", 8)
+        self.size_multiple = max(8, scale)
+        size = getattr(pipe, "default_sample_size", None) or pipe.unet.config.sample_size
+        if isinstance(size, list | tuple):
+            height, width = size[0] * scale, size[1] * scale
+        else:
+            height = width = size * scale
+        return ImageDefaults(width=int(width), height=int(height), steps=steps, guidance=guidance)
+
+    def _generate(self, device: str, batch: list[ImageJob], should_stop) -> list[GeneratedImages]:
+        pipe = self._pipes[device]
+        first = batch[0]
+        prompts, negatives, generators = [], [], []
+        for job in batch:
+            for seed in job.seeds:
+                prompts.append(job.prompt)
+                negatives.append(job.negative_prompt or "")
+                generators.append(torch.Generator(device=pipe.device).manual_seed(seed))
+        # Schedulers keep per-call state; this worker thread is the only user of
+        # `pipe`, and a fresh scheduler per batch leaves nothing behind.
+        pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+        step_times: list[float] = []
+        last = [time.perf_counter()]
+
+        def on_step_end(pipeline, step, timestep, kwargs):
+            now = time.perf_counter()
+            step_times.append(now - last[0])
+            last[0] = now
+            if should_stop():
+                pipeline._interrupt = True
+            return kwargs
+
+        try:
+            with torch.inference_mode():
+                result = pipe(
+                    prompt=prompts,
+                    negative_prompt=negatives if any(negatives) else None,
+                    height=first.height,
+                    width=first.width,
+                    num_inference_steps=first.steps,
+                    guidance_scale=first.guidance,
+                    generator=generators,
+                    output_type="pil",
+                    callback_on_step_end=on_step_end,
+                )
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                raise OutOfMemory(str(exc)) from exc
+            raise
+        images = list(result.images)
+        out, start = [], 0
+        for job in batch:
+            count = len(job.seeds)
+            out.append(GeneratedImages(images[start : start + count], job.seeds, step_times))
+            start += count
+        return out

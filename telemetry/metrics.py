@@ -1,0 +1,127 @@
+"""Every Prometheus metric Texel exports, with its buckets, in one place.
+
+Names follow Prometheus conventions (base units, `_seconds`, `_total`). The
+metrics live in Texel's own registry so `/metrics` shows exactly these plus the
+process collector.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+)
+from prometheus_client.exposition import choose_encoder
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+ProcessCollector(registry=REGISTRY)
+
+# Per-stage and per-request latencies: from sub-millisecond parsing on a GPU box
+# to multi-second image generation on a CPU.
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25,
+    0.4, 0.6, 1.0, 1.5, 2.5, 4.0, 6.0, 10.0, 20.0, 40.0,
+)  # fmt: skip
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+EFFICIENCY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+TOKEN_BUCKETS = (1, 5, 10, 20, 40, 60, 80, 120, 160, 240, 320, 512)
+PER_TOKEN_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+STAGE_DURATION = Histogram(
+    "texel_stage_duration_seconds",
+    "Time spent in one stage of a request (http.parse, preprocess, tokenize, "
+    "queue.wait, generate, postprocess).",
+    ["model", "stage"],
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+REQUEST_DURATION = Histogram(
+    "texel_request_duration_seconds",
+    "End-to-end time of an inference request, by route and HTTP status.",
+    ["route", "status"],
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+QUEUE_WAIT = Histogram(
+    "texel_queue_wait_seconds",
+    "Time a request waited in the batcher before its batch started.",
+    ["model"],
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+BATCH_SIZE = Histogram(
+    "texel_batch_size",
+    "Requests per executed batch.",
+    ["model"],
+    buckets=BATCH_SIZE_BUCKETS,
+    registry=REGISTRY,
+)
+QUEUE_DEPTH = Gauge(
+    "texel_queue_depth",
+    "Requests waiting for a batch.",
+    ["model"],
+    registry=REGISTRY,
+)
+INFLIGHT = Gauge(
+    "texel_inflight_requests",
+    "Requests being handled right now, by route.",
+    ["route"],
+    registry=REGISTRY,
+)
+PADDING_EFFICIENCY = Histogram(
+    "texel_padding_efficiency",
+    "Real over padded input elements per batch (1.0 means no padding).",
+    ["model"],
+    buckets=EFFICIENCY_BUCKETS,
+    registry=REGISTRY,
+)
+REJECTED = Counter(
+    "texel_requests_rejected",
+    "Requests refused or abandoned, by reason (queue_full, deadline, cancelled, "
+    "invalid, draining, not_ready, failed).",
+    ["model", "reason"],
+    registry=REGISTRY,
+)
+OUTPUT_TOKENS = Histogram(
+    "texel_output_tokens",
+    "Tokens generated per recognized formula.",
+    ["model"],
+    buckets=TOKEN_BUCKETS,
+    registry=REGISTRY,
+)
+TIME_PER_OUTPUT_TOKEN = Histogram(
+    "texel_time_per_output_token_seconds",
+    "Batch decode time divided by the longest output in the batch.",
+    ["model"],
+    buckets=PER_TOKEN_BUCKETS,
+    registry=REGISTRY,
+)
+DENOISING_STEP = Histogram(
+    "texel_denoising_step_seconds",
+    "Time of one denoising step of a batch.",
+    ["model"],
+    buckets=STEP_BUCKETS,
+    registry=REGISTRY,
+)
+IMAGES_GENERATED = Counter(
+    "texel_images_generated",
+    "Images returned by /generate.",
+    ["model"],
+    registry=REGISTRY,
+)
+MODEL_READY = Gauge(
+    "texel_model_ready",
+    "1 once a model is loaded and warmed up.",
+    ["model"],
+    registry=REGISTRY,
+)
+
+
+def exposition(accept_header: str | None) -> tuple[bytes, str]:
+    """Render the registry as Prometheus text, or OpenMetrics (with exemplars) if asked."""
+    encoder, content_type = choose_encoder(accept_header or "")
+    return encoder(REGISTRY), content_type

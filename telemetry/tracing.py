@@ -1,0 +1,219 @@
+"""OpenTelemetry set-up and the per-request stage recorder.
+
+Tracing is configured only through the standard `OTEL_*` variables. With no
+endpoint set there is no exporter; spans still carry ids for log correlation
+and metric exemplars. Code elsewhere uses `RequestTrace` and `BatchTelemetry`,
+never the SDK directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanProcessor
+from opentelemetry.trace import Link, Span, SpanContext, Status, StatusCode
+
+from telemetry import metrics
+
+log = logging.getLogger(__name__)
+
+_tracer = trace.get_tracer("texel")
+_provider: TracerProvider | None = None
+
+
+def setup_tracing(max_batch_size: int = 128) -> TracerProvider | None:
+    """Install Texel's tracer provider once per process, from the `OTEL_*` variables.
+
+    The SDK's link limit is raised to the largest batch, since a batch span
+    links every member request. Returns None when `OTEL_SDK_DISABLED=true`.
+    """
+    global _provider
+    if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return None
+    if _provider is not None:
+        return _provider
+    os.environ.setdefault("OTEL_SERVICE_NAME", "texel")
+    limits = SpanLimits(max_links=max(128, max_batch_size))
+    provider = TracerProvider(resource=Resource.create(), span_limits=limits)
+    exporter = _exporter_from_env()
+    if exporter is not None:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    _provider = provider
+    return provider
+
+
+def add_span_processor(processor: SpanProcessor) -> None:
+    """Attach another processor (tests use an in-memory exporter)."""
+    provider = setup_tracing()
+    if provider is not None:
+        provider.add_span_processor(processor)
+
+
+def shutdown_tracing() -> None:
+    if _provider is not None:
+        _provider.force_flush(timeout_millis=5000)
+
+
+def _exporter_from_env():
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    if not endpoint:
+        return None
+    protocol = os.environ.get(
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+    )
+    if protocol == "grpc":
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            log.warning("OTLP gRPC exporter not installed; falling back to http/protobuf")
+        else:
+            return OTLPSpanExporter()
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()
+
+
+def current_trace_id() -> str | None:
+    """Hex trace id of the current span if it is sampled (for exemplars and logs)."""
+    ctx = trace.get_current_span().get_span_context()
+    if not ctx.is_valid or not ctx.trace_flags.sampled:
+        return None
+    return format(ctx.trace_id, "032x")
+
+
+def _exemplar(trace_id: str | None) -> dict[str, str] | None:
+    return {"trace_id": trace_id} if trace_id else None
+
+
+class RequestTrace:
+    """Times the stages of one request as spans, histogram samples and `timings_ms`."""
+
+    def __init__(self, model: str, operation: str) -> None:
+        self.model = model
+        self.operation = operation
+        self.timings_ms: dict[str, float] = {}
+        self.parent: Span = trace.get_current_span()
+        self.trace_id = current_trace_id()
+
+    @property
+    def span_context(self) -> SpanContext:
+        """The request's span context; a batch span links to it."""
+        return self.parent.get_span_context()
+
+    @contextlib.contextmanager
+    def stage(self, name: str, **attributes: Any) -> Iterator[Span]:
+        """Run a block as stage `name`: one span, one histogram sample, one timing."""
+        started = time.perf_counter()
+        with _tracer.start_as_current_span(
+            name, attributes=self._attributes(attributes), record_exception=False
+        ) as span:
+            try:
+                yield span
+            except Exception as exc:
+                span.set_attribute("error.type", type(exc).__name__)
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+                raise
+            finally:
+                self._observe(name, time.perf_counter() - started)
+
+    def record(
+        self,
+        name: str,
+        start_ns: int,
+        duration_s: float,
+        links: list[Link] | None = None,
+        **attributes: Any,
+    ) -> None:
+        """Record a stage that happened elsewhere (in the batcher) after the fact."""
+        ctx = trace.set_span_in_context(self.parent)
+        span = _tracer.start_span(
+            name,
+            context=ctx,
+            start_time=start_ns,
+            attributes=self._attributes(attributes),
+            links=links,
+        )
+        span.end(end_time=start_ns + int(duration_s * 1e9))
+        self._observe(name, duration_s)
+
+    def _observe(self, name: str, seconds: float) -> None:
+        self.timings_ms[name] = round(self.timings_ms.get(name, 0.0) + seconds * 1000, 3)
+        metrics.STAGE_DURATION.labels(self.model, name).observe(
+            seconds, exemplar=_exemplar(self.trace_id)
+        )
+        if name == "queue.wait":
+            metrics.QUEUE_WAIT.labels(self.model).observe(seconds, _exemplar(self.trace_id))
+
+    def _attributes(self, extra: dict[str, Any]) -> dict[str, Any]:
+        attributes = {
+            "gen_ai.operation.name": self.operation,
+            "gen_ai.request.model": self.model,
+            "texel.model": self.model,
+        }
+        attributes.update({k: v for k, v in extra.items() if v is not None})
+        return attributes
+
+
+class BatchTelemetry:
+    """The batcher's observer: a `batch` span linking its members, plus batch metrics.
+
+    `padding_efficiency` maps a batch's payloads to real/padded elements.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        operation: str,
+        padding_efficiency: Callable[[list[Any]], float | None] | None = None,
+    ) -> None:
+        self.model = model
+        self.operation = operation
+        self._padding_efficiency = padding_efficiency
+
+    @contextlib.contextmanager
+    def batch(self, batcher: str, worker: str, bucket: Hashable, items: list[Any]):
+        links = [
+            Link(item.context)
+            for item in items
+            if isinstance(item.context, SpanContext) and item.context.is_valid
+        ]
+        attributes = {
+            "gen_ai.operation.name": self.operation,
+            "gen_ai.request.model": self.model,
+            "texel.model": self.model,
+            "texel.batch.size": len(items),
+            "texel.batch.bucket": str(bucket),
+            "texel.device": worker,
+        }
+        efficiency = None
+        if self._padding_efficiency is not None:
+            efficiency = self._padding_efficiency([item.payload for item in items])
+            if efficiency is not None:
+                attributes["texel.batch.padding_efficiency"] = round(efficiency, 4)
+        # A batch serves many traces: it starts a trace of its own and links them all.
+        with _tracer.start_as_current_span(
+            "batch", context=trace.set_span_in_context(trace.INVALID_SPAN), links=links,
+            attributes=attributes,
+        ) as span:  # fmt: skip
+            metrics.BATCH_SIZE.labels(self.model).observe(len(items))
+            if efficiency is not None:
+                metrics.PADDING_EFFICIENCY.labels(self.model).observe(efficiency)
+            yield span.get_span_context()
+
+    def queue_depth(self, batcher: str, depth: int) -> None:
+        metrics.QUEUE_DEPTH.labels(self.model).set(depth)
+
+    def rejected(self, batcher: str, reason: str) -> None:
+        metrics.REJECTED.labels(self.model, reason).inc()
