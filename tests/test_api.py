@@ -1,0 +1,281 @@
+"""The HTTP API against a real server on a socket, with tiny models built from configs."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+import struct
+import zlib
+
+import httpx
+from PIL import Image
+
+from tests.conftest import formula_png
+
+STAGES = {"http.parse", "preprocess", "queue.wait", "generate", "tokenize", "postprocess"}
+
+
+# -- /recognize -------------------------------------------------------------------
+
+
+def test_recognize_accepts_a_multipart_upload_and_reports_its_stages(server):
+    with server.client() as client:
+        response = client.post("/recognize", files={"image": ("f.png", formula_png(), "image/png")})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert isinstance(body["latex"], str)
+    assert body["model"] == "formula"
+    assert body["batch_size"] >= 1
+    assert set(body["timings_ms"]) == STAGES
+
+
+def test_recognize_accepts_base64_json(server):
+    encoded = base64.b64encode(formula_png()).decode()
+    with server.client() as client:
+        response = client.post("/recognize", json={"image_base64": encoded})
+    assert response.status_code == 200, response.text
+
+
+def test_recognize_accepts_every_supported_format(server):
+    with server.client() as client:
+        for fmt in ("PNG", "JPEG", "WEBP", "BMP", "GIF"):
+            data = formula_png(fmt=fmt)
+            response = client.post("/recognize", files={"image": ("f", data, "application/x")})
+            assert response.status_code == 200, (fmt, response.text)
+
+
+def test_concurrent_formulas_of_one_width_share_a_batch(server):
+    data = formula_png()
+
+    def post(_):
+        with server.client() as client:
+            return client.post("/recognize", files={"image": ("f.png", data, "image/png")})
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(post, range(8)))
+    assert all(r.status_code == 200 for r in responses)
+    assert max(r.json()["batch_size"] for r in responses) > 1
+    # Identical inputs give identical outputs, whatever batch they ran in.
+    assert len({r.json()["latex"] for r in responses}) == 1
+
+
+# -- /generate --------------------------------------------------------------------
+
+
+def generate(server, **params) -> httpx.Response:
+    with server.client() as client:
+        return client.post(
+            "/generate", json={"prompt": "a red circle on a blue background", **params}
+        )
+
+
+def test_generate_returns_pngs_of_the_model_default_size_with_their_seeds(server):
+    response = generate(server, seed=7, num_images=2)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert [img["seed"] for img in body["images"]] == [7, 8]
+    for item in body["images"]:
+        image = Image.open(io.BytesIO(base64.b64decode(item["png_base64"])))
+        assert image.format == "PNG" and image.size == (32, 32)
+    assert set(body["timings_ms"]) == STAGES
+
+
+def test_the_same_seed_and_parameters_give_the_same_image(server):
+    first = generate(server, seed=1234).json()["images"][0]["png_base64"]
+    second = generate(server, seed=1234).json()["images"][0]["png_base64"]
+    other = generate(server, seed=4321).json()["images"][0]["png_base64"]
+    assert first == second
+    assert first != other
+
+
+def test_an_image_does_not_depend_on_the_batch_it_ran_in(server):
+    alone = generate(server, seed=99).json()["images"][0]["png_base64"]
+
+    def post(i):
+        if i == 0:
+            return generate(server, seed=99)
+        return generate(server, seed=i, prompt=f"green squares {i}")
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(post, range(4)))
+    assert max(r.json()["batch_size"] for r in responses) > 1
+    batched = responses[0].json()["images"][0]["png_base64"]
+    a = Image.open(io.BytesIO(base64.b64decode(alone)))
+    b = Image.open(io.BytesIO(base64.b64decode(batched)))
+    diff = max(
+        abs(x - y)
+        for p, q in zip(a.getdata(), b.getdata(), strict=True)
+        for x, y in zip(p, q, strict=True)
+    )
+    assert diff <= 2  # float rounding in a larger batch at most
+
+
+def test_generate_answers_with_the_png_itself_when_asked(server):
+    with server.client() as client:
+        response = client.post(
+            "/generate", json={"prompt": "a square", "seed": 3}, headers={"Accept": "image/png"}
+        )
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "image/png"
+    assert response.headers["x-texel-seed"] == "3"
+    assert Image.open(io.BytesIO(response.content)).format == "PNG"
+
+
+# -- health, metrics, docs ----------------------------------------------------------
+
+
+def test_health_endpoints_report_live_and_ready(server):
+    assert httpx.get(server.url + "/livez").status_code == 200
+    ready = httpx.get(server.url + "/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["models"] == {"formula": "ready", "image": "ready"}
+
+
+def test_metrics_expose_stage_histograms_batches_and_padding(server):
+    generate(server, seed=1)
+    with server.client() as client:
+        client.post("/recognize", files={"image": ("f.png", formula_png(), "image/png")})
+        text = client.get("/metrics").text
+    for stage in STAGES:
+        assert f'texel_stage_duration_seconds_count{{model="formula",stage="{stage}"}}' in text
+    assert 'texel_request_duration_seconds_count{route="/recognize",status="200"}' in text
+    assert "texel_batch_size_bucket" in text
+    assert 'texel_queue_depth{model="formula"}' in text
+    assert 'texel_padding_efficiency_count{model="formula"}' in text
+
+
+def test_metrics_speak_openmetrics_with_exemplars_when_asked(server):
+    with server.client() as client:
+        client.post("/recognize", files={"image": ("f.png", formula_png(), "image/png")})
+        response = client.get(
+            "/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"}
+        )
+    assert response.headers["content-type"].startswith("application/openmetrics-text")
+    assert '# {trace_id="' in response.text
+    assert response.text.rstrip().endswith("# EOF")
+
+
+def test_openapi_documents_both_routes(server):
+    spec = httpx.get(server.url + "/openapi.json").json()
+    assert {"/recognize", "/generate", "/livez", "/readyz", "/metrics"} <= set(spec["paths"])
+    content = spec["paths"]["/recognize"]["post"]["requestBody"]["content"]
+    assert {"multipart/form-data", "application/json"} <= set(content)
+    assert httpx.get(server.url + "/docs").status_code == 200
+
+
+# -- bad input: 4xx, never 5xx ----------------------------------------------------
+
+
+def error_of(response: httpx.Response) -> str:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}
+    return body["error"]["code"]
+
+
+def test_malformed_requests_get_400(server):
+    with server.client() as client:
+        cases = [
+            client.post("/recognize", json={"image_base64": "not base64!"}),
+            client.post("/recognize", json={"picture": "abc"}),
+            client.post(
+                "/recognize", content=b"{oops", headers={"content-type": "application/json"}
+            ),
+            client.post("/recognize", files={"file": ("f.png", formula_png(), "image/png")}),
+            client.post(
+                "/generate", content=b"{oops", headers={"content-type": "application/json"}
+            ),
+        ]
+    for response in cases:
+        assert response.status_code == 400, response.text
+        error_of(response)
+
+
+def test_a_truncated_image_of_a_known_format_gets_400(server):
+    data = formula_png()[:200]
+    with server.client() as client:
+        response = client.post("/recognize", files={"image": ("f.png", data, "image/png")})
+    assert response.status_code == 400
+    assert error_of(response) == "corrupt_image"
+
+
+def test_an_unsupported_image_gets_415(server):
+    tiff = io.BytesIO()
+    Image.new("L", (40, 20), 255).save(tiff, format="TIFF")
+    with server.client() as client:
+        for data in (b"plain text, not an image", tiff.getvalue()):
+            response = client.post("/recognize", files={"image": ("f", data, "image/png")})
+            assert response.status_code == 415, response.text
+            assert error_of(response) == "unsupported_image"
+        response = client.post("/recognize", content=b"raw", headers={"content-type": "text/plain"})
+        assert response.status_code == 415
+
+
+def test_an_upload_over_the_byte_limit_gets_413(server):
+    big = b"\x89PNG" + b"\0" * (300 * 1024)  # the server's limit is 256 KiB
+    with server.client() as client:
+        response = client.post("/recognize", files={"image": ("f.png", big, "image/png")})
+        assert response.status_code == 413
+        encoded = base64.b64encode(big).decode()
+        assert client.post("/recognize", json={"image_base64": encoded}).status_code == 413
+
+
+def decompression_bomb(width: int, height: int) -> bytes:
+    """A valid 1-bit PNG of width x height white pixels: huge when decoded, tiny on the wire."""
+    row = b"\x00" + b"\xff" * ((width + 7) // 8)
+    raw = zlib.compress(row * height, 9)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", raw) + chunk(b"IEND", b"")
+
+
+def test_a_decompression_bomb_is_refused_before_decoding_with_413(server):
+    bomb = decompression_bomb(10_000, 10_000)  # 100 megapixels in a few kilobytes
+    assert len(bomb) < 256 * 1024
+    with server.client() as client:
+        response = client.post("/recognize", files={"image": ("bomb.png", bomb, "image/png")})
+    assert response.status_code == 413
+    assert error_of(response) == "image_too_large"
+
+
+def test_out_of_range_generation_parameters_get_422(server):
+    cases = [
+        {"num_images": 5},
+        {"num_images": 0},
+        {"num_inference_steps": 0},
+        {"guidance_scale": -1},
+        {"width": 33},
+        {"width": 2048},
+        {"seed": -1},
+        {"prompt": ""},
+        {"colour": "red"},
+    ]
+    for params in cases:
+        response = generate(server, **params)
+        assert response.status_code == 422, (params, response.text)
+        assert error_of(response) == "invalid_parameter"
+
+
+def test_a_prompt_longer_than_the_text_encoder_reads_gets_422(server):
+    response = generate(server, prompt="a red circle " * 20)
+    assert response.status_code == 422
+    assert "tokens" in response.json()["error"]["message"]
+
+
+def test_bad_requests_leave_the_server_healthy(server):
+    with server.client() as client:
+        client.post("/recognize", files={"image": ("f", b"junk", "image/png")})
+        response = client.post("/recognize", files={"image": ("f.png", formula_png(), "image/png")})
+    assert response.status_code == 200
+    assert server.metric("texel_requests_rejected_total", model="formula", reason="invalid") >= 1
+
+
+def test_unknown_routes_get_a_json_404(server):
+    response = httpx.get(server.url + "/nope")
+    assert response.status_code == 404
+    assert error_of(response) == "not_found"

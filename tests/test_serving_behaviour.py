@@ -1,0 +1,163 @@
+"""Overload, deadlines, disconnects, readiness, shutdown, auth and CORS, each on its own server."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import socket
+import threading
+import time
+
+import httpx
+
+from tests.conftest import formula_png
+
+SLOW = {"prompt": "a slow one", "num_inference_steps": 40, "seed": 1}
+
+
+def test_overload_gets_429_with_retry_after_and_every_accepted_request_succeeds(start_server):
+    server = start_server(TEXEL_IMAGE__MAX_BATCH_SIZE="1", TEXEL_IMAGE__MAX_QUEUE="2")
+
+    def post(i):
+        with server.client() as client:
+            return client.post("/generate", json={**SLOW, "seed": i})
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        responses = list(pool.map(post, range(12)))
+    statuses = sorted(r.status_code for r in responses)
+    assert set(statuses) == {200, 429}, statuses
+    assert statuses.count(200) >= 3  # one running plus a full queue of two
+    for response in responses:
+        if response.status_code == 429:
+            assert int(response.headers["Retry-After"]) >= 1
+            assert response.json()["error"]["code"] == "queue_full"
+    assert server.metric("texel_requests_rejected_total", reason="queue_full") == statuses.count(
+        429
+    )
+
+
+def test_a_request_past_its_deadline_gets_504_and_frees_the_worker(start_server):
+    server = start_server(TEXEL_REQUEST_TIMEOUT_S="1", TEXEL_IMAGE__MAX_STEPS="5000")
+    with server.client() as client:
+        started = time.monotonic()
+        response = client.post(
+            "/generate", json={"prompt": "never done", "num_inference_steps": 900}
+        )
+        assert response.status_code == 504
+        assert response.json()["error"]["code"] == "deadline_exceeded"
+        assert time.monotonic() - started < 5
+        # The abandoned generation stops at its next step, so the next request is served.
+        quick = client.post("/generate", json={"prompt": "quick", "num_inference_steps": 2})
+        assert quick.status_code == 200
+
+
+def test_a_client_that_disconnects_frees_its_queue_slot(start_server):
+    server = start_server(TEXEL_IMAGE__MAX_BATCH_SIZE="1", TEXEL_IMAGE__MAX_QUEUE="1")
+    running = threading.Thread(
+        target=lambda: httpx.post(
+            server.url + "/generate", json={**SLOW, "num_inference_steps": 95}, timeout=120
+        )
+    )
+    running.start()
+    _wait_for(lambda: server.metric("texel_inflight_requests", route="/generate") >= 1)
+    time.sleep(0.3)
+
+    # A raw socket client queues a request, then hangs up.
+    body = b'{"prompt": "impatient", "num_inference_steps": 40}'
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    _wait_for(lambda: server.metric("texel_queue_depth", model="image") == 1)
+    with server.client() as client:
+        full = client.post("/generate", json=SLOW)
+        assert full.status_code == 429  # the queue of one is taken
+    sock.close()
+    _wait_for(lambda: server.metric("texel_queue_depth", model="image") == 0)
+    assert server.metric("texel_requests_rejected_total", reason="cancelled") >= 1
+    with server.client() as client:
+        assert client.post("/generate", json={**SLOW, "num_inference_steps": 2}).status_code == 200
+    running.join()
+
+
+def test_readyz_is_503_and_inference_503_when_a_model_cannot_load(start_server, tmp_path):
+    server = start_server(wait_ready=False, TEXEL_FORMULA__MODEL=str(tmp_path / "missing"))
+    _wait_for(lambda: httpx.get(server.url + "/readyz").json()["models"]["formula"] == "failed")
+    ready = httpx.get(server.url + "/readyz")
+    assert ready.status_code == 503
+    response = httpx.post(
+        server.url + "/recognize", files={"image": ("f.png", formula_png(), "image/png")}
+    )
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "model_failed"
+    assert httpx.get(server.url + "/livez").status_code == 200
+
+
+def test_sigterm_drops_readiness_and_lets_in_flight_requests_finish(start_server):
+    server = start_server(TEXEL_SHUTDOWN_GRACE_S="1.5", TEXEL_IMAGE__MAX_BATCH_SIZE="1")
+
+    def post(i):
+        with server.client() as client:
+            return client.post("/generate", json={**SLOW, "seed": i})
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(post, i) for i in range(3)]
+        _wait_for(lambda: server.metric("texel_inflight_requests", route="/generate") >= 3)
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        ready = httpx.get(server.url + "/readyz")
+        assert ready.status_code == 503 and ready.json()["draining"] is True
+        late = httpx.post(server.url + "/generate", json=SLOW)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
+        assert [f.result().status_code for f in futures] == [200, 200, 200]
+    # uvicorn re-raises the signal once shut down cleanly, as a process killed by it would.
+    assert server.process.wait(60) in (0, -signal.SIGTERM)
+    assert "draining" in server.log()
+
+
+def test_api_keys_guard_inference_but_not_health_or_metrics(start_server):
+    server = start_server(TEXEL_API_KEYS="k1,k2")
+    files = {"image": ("f.png", formula_png(), "image/png")}
+    with server.client() as client:
+        assert client.post("/recognize", files=files).status_code == 401
+        wrong = client.post("/recognize", files=files, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        assert wrong.headers["www-authenticate"] == "Bearer"
+        ok = client.post("/recognize", files=files, headers={"Authorization": "Bearer k2"})
+        assert ok.status_code == 200
+        for path in ("/livez", "/readyz", "/metrics"):
+            assert client.get(path).status_code == 200
+
+
+def test_cors_lets_configured_origins_call_the_api(start_server):
+    server = start_server(TEXEL_CORS_ORIGINS="https://app.example")
+    with server.client() as client:
+        preflight = client.options(
+            "/generate",
+            headers={
+                "Origin": "https://app.example",
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "content-type,authorization",
+            },
+        )
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+        other = client.options(
+            "/generate",
+            headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+        )
+        assert "access-control-allow-origin" not in other.headers
+
+
+def _wait_for(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except (httpx.HTTPError, KeyError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
