@@ -1,0 +1,43 @@
+"""Settings come from TEXEL_* variables with `__` for nesting."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from app.settings import Settings
+
+
+def test_nested_model_settings_are_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TEXEL_DEVICE", "cuda:1")
+    monkeypatch.setenv("TEXEL_FORMULA__MODEL", "org/formula-model")
+    monkeypatch.setenv("TEXEL_FORMULA__MAX_BATCH_SIZE", "64")
+    monkeypatch.setenv("TEXEL_IMAGE__MAX_WAIT_MS", "5")
+    monkeypatch.setenv("TEXEL_IMAGE__MAX_QUEUE", "7")
+    settings = Settings()
+    assert settings.device == "cuda:1"
+    assert settings.formula.model == "org/formula-model"
+    assert settings.formula.max_batch_size == 64
+    assert settings.image.max_wait_ms == 5
+    assert settings.image.max_queue == 7
+
+
+def test_lists_accept_commas_or_json(monkeypatch):
+    monkeypatch.setenv("TEXEL_API_KEYS", "a, b")
+    monkeypatch.setenv("TEXEL_CORS_ORIGINS", '["https://x.example"]')
+    settings = Settings()
+    assert settings.api_keys == ["a", "b"]
+    assert settings.cors_origins == ["https://x.example"]
+
+
+def test_defaults_point_at_the_shipped_models():
+    settings = Settings()
+    assert settings.formula.model.endswith("models/formula/default")
+    assert settings.image.model.endswith("models/image/default")
+    assert settings.api_keys == [] and settings.log_format == "text"
+
+
+def test_invalid_values_are_refused(monkeypatch):
+    monkeypatch.setenv("TEXEL_FORMULA__MAX_BATCH_SIZE", "0")
+    with pytest.raises(ValidationError):
+        Settings()

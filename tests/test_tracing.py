@@ -1,0 +1,116 @@
+"""Stage spans and batch links, from a real server running in this process.
+
+The server runs on a socket in a background thread so the SDK's in-memory
+exporter sees every span it makes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from app.main import build_app
+from app.settings import Settings
+from telemetry import add_span_processor
+from tests.conftest import formula_png, free_port
+
+STAGES = ["http.parse", "preprocess", "queue.wait", "generate", "tokenize", "postprocess"]
+CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CALLER_SPAN = "00f067aa0ba902b7"
+
+
+@pytest.fixture(scope="module")
+def traced_server(tiny_models):
+    exporter = InMemorySpanExporter()
+    settings = Settings(
+        device="cpu",
+        formula={"model": str(tiny_models["formula"]), "max_wait_ms": 200, "max_batch_size": 4},
+        image={"enabled": False, "model": str(tiny_models["image"])},
+    )
+    app = build_app(settings)
+    add_span_processor(SimpleSpanProcessor(exporter))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/readyz").status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    yield url, exporter
+    server.should_exit = True
+    thread.join(30)
+
+
+def recognize(url: str, headers=None) -> httpx.Response:
+    files = {"image": ("f.png", formula_png(), "image/png")}
+    return httpx.post(url + "/recognize", files=files, headers=headers or {}, timeout=60)
+
+
+def test_each_request_has_its_stage_spans_under_the_callers_trace(traced_server):
+    url, exporter = traced_server
+    exporter.clear()
+    traceparent = f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"
+    assert recognize(url, {"traceparent": traceparent}).status_code == 200
+    spans = [
+        s
+        for s in exporter.get_finished_spans()
+        if format(s.context.trace_id, "032x") == CALLER_TRACE
+    ]
+    names = [s.name for s in spans]
+    for stage in STAGES:
+        assert names.count(stage) == 1, names
+    server_span = next(
+        s for s in spans if s.parent is not None and format(s.parent.span_id, "016x") == CALLER_SPAN
+    )
+    for span in spans:
+        if span.name in STAGES:
+            assert span.parent.span_id == server_span.context.span_id, span.name
+            assert span.attributes["gen_ai.request.model"] == "formula"
+
+
+def test_a_batch_span_links_every_member_and_each_generate_links_back(traced_server):
+    url, exporter = traced_server
+    exporter.clear()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(lambda _: recognize(url), range(4)))
+    assert max(r.json()["batch_size"] for r in responses) > 1
+    spans = exporter.get_finished_spans()
+    batches = [s for s in spans if s.name == "batch" and s.attributes["texel.batch.size"] > 1]
+    assert batches
+    batch = batches[0]
+    members = {link.context.trace_id for link in batch.links}
+    assert len(members) == batch.attributes["texel.batch.size"]
+    generates = [s for s in spans if s.name == "generate" and s.context.trace_id in members]
+    assert len(generates) == len(members)
+    for span in generates:
+        assert [link.context.span_id for link in span.links] == [batch.context.span_id]
+
+
+def test_untraced_routes_make_no_spans(traced_server):
+    url, exporter = traced_server
+    for path in ("/livez", "/readyz", "/metrics"):
+        httpx.get(url + path)
+    time.sleep(0.2)
+    paths = {
+        str(
+            s.attributes.get("http.route")
+            or s.attributes.get("url.path")
+            or s.attributes.get("http.target")
+        )
+        for s in exporter.get_finished_spans()
+    }
+    assert "/recognize" in paths  # server spans do carry their route
+    assert not paths & {"/livez", "/readyz", "/metrics"}, paths
