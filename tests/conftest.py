@@ -5,104 +5,16 @@ from __future__ import annotations
 import io
 import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from PIL import Image, ImageDraw
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.server import ROOT, ServerProcess, free_port
+
+__all__ = ["ROOT", "ServerProcess", "free_port", "formula_png"]
 SHARED_DATA = Path(os.environ.get("TEXEL_DATA", ROOT.parent / "shared" / "data"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ServerProcess:
-    """`texel serve` in a subprocess on a free port, with the environment given."""
-
-    def __init__(self, env: dict[str, str], wait_ready: bool = True) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"texel-test-{self.port}.log"
-        full_env = {**os.environ, "OTEL_SDK_DISABLED": "false", **env}
-        full_env.setdefault("TEXEL_LOG_FORMAT", "text")
-        self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "app.cli",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-            ],
-            cwd=ROOT,
-            env=full_env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        self.wait_live()
-        if wait_ready:
-            self.wait_ready()
-
-    def client(self, **kwargs) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 60), **kwargs)
-
-    def wait_live(self, timeout: float = 120) -> None:
-        self._wait("/livez", timeout)
-
-    def wait_ready(self, timeout: float = 180) -> None:
-        self._wait("/readyz", timeout)
-
-    def _wait(self, path: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.log()}")
-            try:
-                if httpx.get(self.url + path, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"{path} not OK after {timeout} s:\n{self.log()}")
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-5000:]
-
-    def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of `name` whose labels include `labels`."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        total = 0.0
-        for line in text.splitlines():
-            if not line.startswith(name + "{") and not line.startswith(name + " "):
-                continue
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
-        return self.process.returncode
 
 
 @pytest.fixture(scope="session")

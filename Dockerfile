@@ -1,0 +1,40 @@
+# Texel on a CUDA machine: `docker build -t texel . && docker run --gpus all -p 8000:8000 texel`
+ARG CUDA_IMAGE=nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04
+
+FROM ${CUDA_IMAGE} AS build
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential \
+ && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/texel
+ENV PATH=/opt/texel/bin:$PATH
+WORKDIR /src
+# Dependencies first, so code changes do not reinstall torch.
+COPY pyproject.toml README.md ./
+RUN python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' > /tmp/requirements.txt \
+ && pip install --upgrade pip && pip install torch && pip install -r /tmp/requirements.txt
+COPY app ./app
+COPY batching ./batching
+COPY models ./models
+COPY telemetry ./telemetry
+RUN pip install --no-deps .
+
+FROM ${CUDA_IMAGE}
+ENV DEBIAN_FRONTEND=noninteractive
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 curl \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --create-home --uid 10001 texel
+COPY --from=build /opt/texel /opt/texel
+ENV PATH=/opt/texel/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1 \
+    TEXEL_LOG_FORMAT=json \
+    TEXEL_SHUTDOWN_GRACE_S=5
+USER texel
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
+  CMD curl -fsS http://127.0.0.1:8000/livez || exit 1
+# Exec form: texel runs as PID 1 and receives SIGTERM itself, so it drains before exiting.
+ENTRYPOINT ["texel", "serve"]
+CMD ["--host", "0.0.0.0", "--port", "8000"]

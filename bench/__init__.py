@@ -1,0 +1,1 @@
+"""Texel's benchmarks: programs that print tables, never timed assertions."""

@@ -1,0 +1,133 @@
+"""A small HTTP load generator: closed-loop concurrency or open-loop Poisson arrivals.
+
+Works against any endpoint: a `Workload` says how to build the i-th request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class Workload:
+    """Builds request i as keyword arguments for `httpx.AsyncClient.request`."""
+
+    method: str
+    path: str
+    build: Callable[[int], dict]
+
+
+@dataclass
+class LoadResult:
+    mode: str
+    level: float  # concurrency, or offered rate for open loop
+    duration_s: float
+    latencies_s: list[float] = field(default_factory=list)
+    statuses: Counter = field(default_factory=Counter)
+    batch_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def ok(self) -> int:
+        return self.statuses.get(200, 0)
+
+    @property
+    def errors(self) -> dict[str, int]:
+        return {str(k): v for k, v in self.statuses.items() if k != 200}
+
+    @property
+    def throughput_rps(self) -> float:
+        return self.ok / self.duration_s if self.duration_s else 0.0
+
+    def percentile_ms(self, q: float) -> float:
+        if not self.latencies_s:
+            return float("nan")
+        ordered = sorted(self.latencies_s)
+        index = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))
+        return ordered[index] * 1000
+
+    def summary(self) -> dict:
+        return {
+            "mode": self.mode,
+            "concurrency" if self.mode == "closed" else "rate_rps": self.level,
+            "requests": sum(self.statuses.values()),
+            "throughput_rps": round(self.throughput_rps, 2),
+            "p50_ms": round(self.percentile_ms(50), 1),
+            "p95_ms": round(self.percentile_ms(95), 1),
+            "p99_ms": round(self.percentile_ms(99), 1),
+            "errors": self.errors,
+            "mean_batch_size": round(statistics.fmean(self.batch_sizes), 2)
+            if self.batch_sizes
+            else None,
+        }
+
+
+async def _one(client: httpx.AsyncClient, workload: Workload, i: int, result: LoadResult) -> None:
+    started = time.perf_counter()
+    try:
+        response = await client.request(workload.method, workload.path, **workload.build(i))
+        status = response.status_code
+    except httpx.HTTPError as exc:
+        result.statuses[type(exc).__name__] += 1
+        return
+    result.statuses[status] += 1
+    if status == 200:
+        result.latencies_s.append(time.perf_counter() - started)
+        if response.headers.get("content-type", "").startswith("application/json"):
+            size = response.json().get("batch_size")
+            if size:
+                result.batch_sizes.append(int(size))
+
+
+async def closed_loop(
+    url: str, workload: Workload, concurrency: int, duration_s: float, warmup_s: float = 2.0
+) -> LoadResult:
+    """`concurrency` clients each send a request as soon as their previous one returns."""
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        counter = iter(range(10**9))
+        warm = LoadResult("closed", concurrency, warmup_s)
+
+        async def client_loop(result: LoadResult, until: float) -> None:
+            while time.perf_counter() < until:
+                await _one(client, workload, next(counter), result)
+
+        until = time.perf_counter() + warmup_s
+        await asyncio.gather(*(client_loop(warm, until) for _ in range(concurrency)))
+        result = LoadResult("closed", concurrency, duration_s)
+        started = time.perf_counter()
+        await asyncio.gather(
+            *(client_loop(result, started + duration_s) for _ in range(concurrency))
+        )
+        result.duration_s = time.perf_counter() - started
+        return result
+
+
+async def open_loop(
+    url: str, workload: Workload, rate_rps: float, duration_s: float, seed: int = 0
+) -> LoadResult:
+    """Requests arrive as a Poisson process at `rate_rps`, whatever the server's pace."""
+    rng = random.Random(seed)
+    result = LoadResult("open", rate_rps, duration_s)
+    async with httpx.AsyncClient(
+        base_url=url, timeout=120, limits=httpx.Limits(max_connections=1024)
+    ) as client:
+        tasks = []
+        started = time.perf_counter()
+        next_at = started
+        i = 0
+        while next_at < started + duration_s:
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+            tasks.append(asyncio.create_task(_one(client, workload, i, result)))
+            i += 1
+            next_at += rng.expovariate(rate_rps)
+        await asyncio.gather(*tasks)
+        result.duration_s = time.perf_counter() - started
+    return result
