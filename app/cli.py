@@ -63,15 +63,54 @@ def serve(host: str, port: int) -> None:
     TexelServer(config, app.state.runtime).run()
 
 
+def diagnose(url: str, window_s: float, api_key: str | None) -> int:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(
+            url.rstrip("/") + "/debug/bottleneck",
+            params={"window_s": window_s},
+            headers=headers,
+            timeout=window_s + 30,
+        )
+    except httpx.HTTPError as exc:
+        print(f"could not reach {url}: {exc}", file=sys.stderr)
+        return 2
+    if response.status_code != 200:
+        print(f"{url} answered {response.status_code}: {response.text}", file=sys.stderr)
+        return 1
+    verdict = response.json()
+    gpu = verdict["gpu_utilization"]
+    print(f"quadrant: {verdict['quadrant']}")
+    print(f"  {verdict['explanation']}")
+    print(
+        f"  cpu {verdict['cpu_utilization']:.0%} of all cores, busiest thread "
+        f"{verdict['busiest_thread_utilization']:.0%}, gpu "
+        f"{'absent' if gpu is None else f'{gpu:.0%}'} over {verdict['window_s']:.1f} s"
+    )
+    for stage, share in sorted(verdict["stage_shares"].items(), key=lambda kv: -kv[1]):
+        print(f"  {stage:<12} {share:6.1%}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="texel", description="Texel inference service")
     commands = parser.add_subparsers(dest="command", required=True)
     serve_cmd = commands.add_parser("serve", help="serve the HTTP API")
     serve_cmd.add_argument("--host", default="0.0.0.0")
     serve_cmd.add_argument("--port", type=int, default=8000)
+    diagnose_cmd = commands.add_parser(
+        "diagnose", help="ask a running server where its bottleneck is (four quadrants)"
+    )
+    diagnose_cmd.add_argument("--url", default="http://127.0.0.1:8000")
+    diagnose_cmd.add_argument("--window", type=float, default=10.0, help="seconds to sample")
+    diagnose_cmd.add_argument("--api-key", default=None)
     args = parser.parse_args(argv)
     if args.command == "serve":
         serve(args.host, args.port)
+    elif args.command == "diagnose":
+        sys.exit(diagnose(args.url, args.window, args.api_key))
     else:  # pragma: no cover - argparse enforces the choices
         parser.print_help()
         sys.exit(2)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from app import serving
@@ -219,6 +220,21 @@ async def readyz(request: Request) -> JSONResponse:
         models={key: m.state for key, m in runtime.models.items()},
     )
     return JSONResponse(body.model_dump(), status_code=200 if runtime.ready else 503)
+
+
+@router.get(
+    "/debug/bottleneck",
+    dependencies=[Depends(authorized)],
+    summary="Sample CPU, GPU and stage times for a window and name the bottleneck",
+)
+async def bottleneck(
+    request: Request,
+    window_s: Annotated[float, Query(ge=0.5, le=120, description="Sampling window.")] = 10.0,
+) -> dict:
+    """Four-quadrant diagnosis: cpu_bound, gpu_bound, starved or saturated, with the numbers."""
+    runtime = runtime_of(request)
+    verdict = await runtime.bottleneck.diagnose(window_s)
+    return verdict.as_dict()
 
 
 @router.get("/metrics", summary="Prometheus metrics (OpenMetrics when asked for)")

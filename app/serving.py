@@ -23,6 +23,7 @@ from app.settings import ModelSettings, Settings
 from batching import Batcher, BatchPolicy, Worker
 from models.devices import resolve_devices
 from telemetry import BatchTelemetry, RequestTrace, metrics
+from telemetry.bottleneck import BottleneckSampler
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class Runtime:
     pool: ThreadPoolExecutor | None = None
     draining: bool = False
     loader: asyncio.Task | None = None
+    bottleneck: BottleneckSampler = field(default_factory=BottleneckSampler)
 
     @property
     def ready(self) -> bool:
@@ -169,6 +171,7 @@ def _build_models(settings: Settings) -> dict[str, ServedModel]:
         adapter = FormulaRecognizer(
             f.model,
             devices,
+            name=f.name,
             dtype=settings.dtype,
             bucket_step=f.bucket_width,
             num_beams=f.num_beams,
@@ -179,7 +182,12 @@ def _build_models(settings: Settings) -> dict[str, ServedModel]:
     if settings.image.enabled:
         i = settings.image
         adapter = ImageGenerator(
-            i.model, devices, dtype=settings.dtype, max_steps=i.max_steps, max_side=i.max_side
+            i.model,
+            devices,
+            name=i.name,
+            dtype=settings.dtype,
+            max_steps=i.max_steps,
+            max_side=i.max_side,
         )
         served["image"] = ServedModel("image", adapter, i, settings.request_timeout_s)
     return served

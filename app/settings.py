@@ -19,6 +19,9 @@ class ModelSettings(BaseModel):
 
     enabled: bool = Field(True, description="Load and serve this model.")
     model: str = Field(description="A local directory or a Hugging Face hub id.")
+    name: str | None = Field(
+        None, description="Name reported in responses and metrics; default from the model path."
+    )
     max_batch_size: int = Field(8, ge=1, le=1024, description="Largest batch run at once.")
     max_wait_ms: float = Field(
         10.0, ge=0, description="How long the first request of a bucket waits for company."

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 
@@ -39,3 +41,17 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError | MemoryError) or (
         isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
     )
+
+
+def model_name(source: str, name: str | None = None) -> str:
+    """The name a model is reported under: explicit, else the hub id or directory name.
+
+    Texel's shipped models live in `models/<task>/default` and are named `texel-<task>`.
+    """
+    if name:
+        return name
+    path = Path(source)
+    if not path.exists():
+        return source
+    path = path.resolve()
+    return f"texel-{path.parent.name}" if path.name == "default" else path.name

@@ -121,6 +121,15 @@ MODEL_READY = Gauge(
 )
 
 
+def _register_resources() -> None:
+    from telemetry.resources import ResourceCollector
+
+    REGISTRY.register(ResourceCollector())
+
+
+_register_resources()
+
+
 def exposition(accept_header: str | None) -> tuple[bytes, str]:
     """Render the registry as Prometheus text, or OpenMetrics (with exemplars) if asked."""
     encoder, content_type = choose_encoder(accept_header or "")

@@ -24,7 +24,7 @@ from transformers import (
 from transformers.utils import cached_file
 
 from batching import OutOfMemory
-from models.devices import is_out_of_memory, resolve_dtype
+from models.devices import is_out_of_memory, model_name, resolve_dtype
 from models.formula.preprocess import (
     FormulaImageSpec,
     bucket_width,
@@ -78,6 +78,7 @@ class FormulaRecognizer:
         source: str,
         devices: list[torch.device],
         *,
+        name: str | None = None,
         dtype: str = "auto",
         bucket_step: int = 64,
         num_beams: int = 1,
@@ -85,7 +86,7 @@ class FormulaRecognizer:
         max_pixels: int = 16_000_000,
     ) -> None:
         self.source = source
-        self.name = Path(source).name if Path(source).exists() else source
+        self.name = model_name(source, name)
         self.devices = devices
         self.dtype_setting = dtype
         self.bucket_step = bucket_step

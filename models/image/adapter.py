@@ -22,7 +22,7 @@ from PIL import Image
 from transformers.utils import cached_file
 
 from batching import OutOfMemory
-from models.devices import is_out_of_memory, resolve_dtype
+from models.devices import is_out_of_memory, model_name, resolve_dtype
 from models.errors import InvalidParameter
 
 DEFAULTS_FILE = "texel.json"  # optional {"num_inference_steps", "guidance_scale"}
@@ -81,12 +81,13 @@ class ImageGenerator:
         source: str,
         devices: list[torch.device],
         *,
+        name: str | None = None,
         dtype: str = "auto",
         max_steps: int = 100,
         max_side: int = 1024,
     ) -> None:
         self.source = source
-        self.name = Path(source).name if Path(source).exists() else source
+        self.name = model_name(source, name)
         self.devices = devices
         self.dtype_setting = dtype
         self.max_steps = max_steps

@@ -1,0 +1,157 @@
+"""Bottleneck diagnosis: which of the four quadrants is this server in?
+
+Over a window it samples process CPU (all cores, and the busiest thread, which
+catches a saturated event loop or GIL), GPU utilization, and how the time spent
+in request stages splits between them; then names the quadrant:
+
+    cpu_bound   high CPU, low GPU: pre/post-processing or Python overhead
+    gpu_bound   high GPU, low CPU: the model itself; batch bigger or faster kernels
+    starved     both low: too little load, or waiting on the network or disk
+    saturated   both high: the machine is full; add replicas
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import psutil
+
+from telemetry import metrics
+from telemetry.resources import Nvml
+
+HIGH_CPU = 0.6  # share of all cores
+HIGH_THREAD = 0.85  # share of one core: a single hot thread (event loop, GIL)
+HIGH_GPU = 0.6
+
+
+@dataclass(frozen=True)
+class Sample:
+    cpu_utilization: float
+    busiest_thread_utilization: float
+    gpu_utilization: float | None  # None: no GPU on this machine
+    stage_seconds: dict[str, float]
+    window_s: float
+
+
+@dataclass(frozen=True)
+class Verdict:
+    quadrant: str
+    explanation: str
+    dominant_stage: str | None
+    cpu_utilization: float
+    busiest_thread_utilization: float
+    gpu_utilization: float | None
+    stage_shares: dict[str, float] = field(default_factory=dict)
+    window_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def classify(sample: Sample) -> Verdict:
+    """The four-quadrant verdict for one window of measurements."""
+    total = sum(sample.stage_seconds.values())
+    shares = {k: round(v / total, 4) for k, v in sample.stage_seconds.items()} if total else {}
+    dominant = max(shares, key=shares.get) if shares else None
+    cpu_high = (
+        sample.cpu_utilization >= HIGH_CPU or sample.busiest_thread_utilization >= HIGH_THREAD
+    )
+    gpu = sample.gpu_utilization
+    gpu_high = gpu is not None and gpu >= HIGH_GPU
+    if cpu_high and gpu_high:
+        quadrant, why = "saturated", "CPU and GPU are both busy: add GPUs or replicas"
+    elif gpu_high:
+        quadrant, why = "gpu_bound", "the GPU is busy and the CPU is not: the model limits speed"
+    elif cpu_high:
+        quadrant = "cpu_bound"
+        why = (
+            "the CPU is busy and the GPU idles: move decode/resize off the event loop or onto "
+            "the GPU, or add CPU"
+            if gpu is not None
+            else "the CPU is busy; there is no GPU, so the model computes on the CPU too"
+        )
+    else:
+        quadrant = "starved"
+        why = "CPU and GPU both idle: too little load, or time goes to waiting (network, disk)"
+    if dominant:
+        why += f"; most request time is in '{dominant}' ({shares[dominant]:.0%})"
+    return Verdict(
+        quadrant=quadrant,
+        explanation=why,
+        dominant_stage=dominant,
+        cpu_utilization=round(sample.cpu_utilization, 4),
+        busiest_thread_utilization=round(sample.busiest_thread_utilization, 4),
+        gpu_utilization=None if gpu is None else round(gpu, 4),
+        stage_shares=shares,
+        window_s=sample.window_s,
+    )
+
+
+def stage_totals() -> dict[str, float]:
+    """Seconds spent so far in each stage, summed over models."""
+    totals: dict[str, float] = {}
+    for family in metrics.STAGE_DURATION.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_sum"):
+                stage = sample.labels["stage"]
+                totals[stage] = totals.get(stage, 0.0) + sample.value
+    return totals
+
+
+def _thread_times(process: psutil.Process) -> dict[int, float]:
+    return {t.id: t.user_time + t.system_time for t in process.threads()}
+
+
+class BottleneckSampler:
+    """Samples a window of activity. `gpu_probe` returns mean GPU utilization or None."""
+
+    def __init__(
+        self,
+        gpu_probe: Callable[[], float | None] | None = None,
+        stages: Callable[[], dict[str, float]] = stage_totals,
+    ) -> None:
+        self._nvml = Nvml() if gpu_probe is None else None
+        self._gpu_probe = gpu_probe or self._nvml_probe
+        self._stages = stages
+        self._process = psutil.Process()
+
+    def _nvml_probe(self) -> float | None:
+        readings = self._nvml.read() if self._nvml else []
+        if not readings:
+            return None
+        return max(r.utilization for r in readings)
+
+    async def sample(self, window_s: float = 10.0, interval_s: float = 0.25) -> Sample:
+        cores = os.cpu_count() or 1
+        start = time.monotonic()
+        cpu0 = sum(self._process.cpu_times()[:2])
+        threads0 = _thread_times(self._process)
+        stages0 = self._stages()
+        gpu_samples: list[float] = []
+        while time.monotonic() - start < window_s:
+            reading = self._gpu_probe()
+            if reading is not None:
+                gpu_samples.append(reading)
+            await asyncio.sleep(min(interval_s, max(0.0, window_s - (time.monotonic() - start))))
+        elapsed = max(time.monotonic() - start, 1e-6)
+        cpu1 = sum(self._process.cpu_times()[:2])
+        threads1 = _thread_times(self._process)
+        stages1 = self._stages()
+        busiest = max(
+            ((threads1[t] - threads0.get(t, 0.0)) / elapsed for t in threads1), default=0.0
+        )
+        deltas = {k: v - stages0.get(k, 0.0) for k, v in stages1.items()}
+        return Sample(
+            cpu_utilization=min(1.0, (cpu1 - cpu0) / (elapsed * cores)),
+            busiest_thread_utilization=min(1.0, busiest),
+            gpu_utilization=sum(gpu_samples) / len(gpu_samples) if gpu_samples else None,
+            stage_seconds={k: v for k, v in deltas.items() if v > 0},
+            window_s=round(elapsed, 3),
+        )
+
+    async def diagnose(self, window_s: float = 10.0) -> Verdict:
+        return classify(await self.sample(window_s))

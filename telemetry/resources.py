@@ -1,0 +1,166 @@
+"""Machine gauges read at scrape time: GPUs through NVML, the torch allocator, process CPU.
+
+On a machine without an NVIDIA GPU the GPU series are absent, not zero, so a
+dashboard never mistakes "no GPU" for "idle GPU".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import psutil
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    device: str
+    utilization: float  # 0..1, the share of the last sample period a kernel ran
+    memory_used: int
+    memory_total: int
+    power_watts: float | None
+    temperature_c: float | None
+
+
+class Nvml:
+    """NVML, initialized once; `available` is False on machines without the driver."""
+
+    def __init__(self) -> None:
+        self.available = False
+        self._nvml = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self.count = pynvml.nvmlDeviceGetCount()
+            self.available = self.count > 0
+        except Exception:  # no driver, no library, or no permission: no GPU series
+            self.count = 0
+
+    def read(self) -> list[GpuReading]:
+        if not self.available:
+            return []
+        nvml = self._nvml
+        readings = []
+        for index in range(self.count):
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                util = nvml.nvmlDeviceGetUtilizationRates(handle)
+                memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            except Exception as exc:
+                log.debug("NVML read of GPU %d failed: %s", index, exc)
+                continue
+            readings.append(
+                GpuReading(
+                    device=f"cuda:{index}",
+                    utilization=util.gpu / 100.0,
+                    memory_used=int(memory.used),
+                    memory_total=int(memory.total),
+                    power_watts=_optional(lambda h=handle: nvml.nvmlDeviceGetPowerUsage(h) / 1000),
+                    temperature_c=_optional(
+                        lambda h=handle: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)
+                    ),
+                )
+            )
+        return readings
+
+
+def _optional(read):
+    try:
+        return float(read())
+    except Exception:
+        return None
+
+
+class CpuMeter:
+    """Process CPU utilization between two readings, as a share of all cores."""
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+        self._lock = threading.Lock()
+        self._last = (time.monotonic(), self._cpu_seconds())
+
+    def _cpu_seconds(self) -> float:
+        times = self._process.cpu_times()
+        return times.user + times.system
+
+    def utilization(self) -> float:
+        with self._lock:
+            now, cpu = time.monotonic(), self._cpu_seconds()
+            last_t, last_cpu = self._last
+            self._last = (now, cpu)
+        elapsed = max(now - last_t, 1e-6)
+        return min(1.0, (cpu - last_cpu) / (elapsed * (os.cpu_count() or 1)))
+
+
+class ResourceCollector(Collector):
+    """Prometheus collector for GPU, torch-allocator and process-CPU gauges."""
+
+    def __init__(self, nvml: Nvml | None = None) -> None:
+        self.nvml = nvml or Nvml()
+        self.cpu = CpuMeter()
+
+    def collect(self):
+        cpu = GaugeMetricFamily(
+            "texel_process_cpu_utilization_ratio",
+            "Process CPU time since the previous scrape over wall time times cores (0..1).",
+        )
+        cpu.add_metric([], self.cpu.utilization())
+        yield cpu
+        readings = self.nvml.read()
+        if not readings:
+            return
+        families = {
+            "utilization": GaugeMetricFamily(
+                "texel_gpu_utilization_ratio",
+                "Share of time a kernel ran (NVML).",
+                labels=["device"],
+            ),
+            "memory_used": GaugeMetricFamily(
+                "texel_gpu_memory_used_bytes", "GPU memory in use (NVML).", labels=["device"]
+            ),
+            "memory_total": GaugeMetricFamily(
+                "texel_gpu_memory_total_bytes", "GPU memory in all (NVML).", labels=["device"]
+            ),
+            "power_watts": GaugeMetricFamily(
+                "texel_gpu_power_watts", "GPU power draw (NVML).", labels=["device"]
+            ),
+            "temperature_c": GaugeMetricFamily(
+                "texel_gpu_temperature_celsius", "GPU temperature (NVML).", labels=["device"]
+            ),
+        }
+        for reading in readings:
+            for field, family in families.items():
+                value = getattr(reading, field)
+                if value is not None:
+                    family.add_metric([reading.device], value)
+        yield from families.values()
+        yield from _torch_allocator()
+
+
+def _torch_allocator():
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    allocated = GaugeMetricFamily(
+        "texel_torch_allocated_bytes", "Bytes held by tensors (torch allocator).", labels=["device"]
+    )
+    reserved = GaugeMetricFamily(
+        "texel_torch_reserved_bytes", "Bytes reserved by the torch allocator.", labels=["device"]
+    )
+    for index in range(torch.cuda.device_count()):
+        allocated.add_metric([f"cuda:{index}"], torch.cuda.memory_allocated(index))
+        reserved.add_metric([f"cuda:{index}"], torch.cuda.memory_reserved(index))
+    yield allocated
+    yield reserved

@@ -1,0 +1,116 @@
+"""Four-quadrant bottleneck diagnosis."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import zlib
+
+import httpx
+
+from telemetry.bottleneck import BottleneckSampler, Sample, classify
+
+
+def sample(cpu=0.1, thread=0.1, gpu=0.1, stages=None) -> Sample:
+    return Sample(cpu, thread, gpu, stages or {"generate": 1.0, "preprocess": 0.2}, 10.0)
+
+
+def test_the_four_quadrants():
+    assert classify(sample(cpu=0.9, gpu=0.1)).quadrant == "cpu_bound"
+    assert classify(sample(cpu=0.1, gpu=0.9)).quadrant == "gpu_bound"
+    assert classify(sample(cpu=0.1, gpu=0.1)).quadrant == "starved"
+    assert classify(sample(cpu=0.9, gpu=0.9)).quadrant == "saturated"
+
+
+def test_one_saturated_thread_counts_as_cpu_bound_on_a_many_core_machine():
+    verdict = classify(sample(cpu=0.07, thread=0.98, gpu=0.2))
+    assert verdict.quadrant == "cpu_bound"
+
+
+def test_without_a_gpu_the_verdict_says_so():
+    verdict = classify(sample(cpu=0.9, gpu=None))
+    assert verdict.quadrant == "cpu_bound" and "no GPU" in verdict.explanation
+    assert verdict.gpu_utilization is None
+
+
+def test_the_dominant_stage_and_shares_are_reported():
+    verdict = classify(sample(stages={"preprocess": 3.0, "generate": 1.0}))
+    assert verdict.dominant_stage == "preprocess"
+    assert verdict.stage_shares == {"preprocess": 0.75, "generate": 0.25}
+
+
+class FakeStages:
+    """Stage totals that grow while a fake model works, like the real histograms."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self.lock = threading.Lock()
+
+    def add(self, stage: str, seconds: float) -> None:
+        with self.lock:
+            self.totals[stage] = self.totals.get(stage, 0.0) + seconds
+
+    def __call__(self) -> dict[str, float]:
+        with self.lock:
+            return dict(self.totals)
+
+
+def run_while_sampling(work, gpu_probe, stages: FakeStages):
+    stop = threading.Event()
+    worker = threading.Thread(target=work, args=(stop, stages))
+    worker.start()
+    try:
+        import asyncio
+
+        return asyncio.run(BottleneckSampler(gpu_probe, stages).diagnose(window_s=1.5))
+    finally:
+        stop.set()
+        worker.join()
+
+
+def cpu_heavy_model(stop: threading.Event, stages: FakeStages) -> None:
+    """Decoding images on every core (zlib releases the GIL), leaving the GPU idle."""
+    data = os.urandom(1 << 20)
+
+    def burn() -> None:
+        while not stop.is_set():
+            started = time.perf_counter()
+            zlib.compress(data, 6)
+            stages.add("preprocess", time.perf_counter() - started)
+
+    threads = [threading.Thread(target=burn) for _ in range(os.cpu_count() or 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def compute_heavy_model(stop: threading.Event, stages: FakeStages) -> None:
+    """Waiting on GPU kernels: the CPU sleeps in `generate` while the GPU is busy."""
+    while not stop.is_set():
+        time.sleep(0.05)
+        stages.add("generate", 0.05)
+
+
+def test_a_cpu_heavy_model_is_diagnosed_cpu_bound_in_preprocess():
+    verdict = run_while_sampling(cpu_heavy_model, lambda: 0.05, FakeStages())
+    assert verdict.quadrant == "cpu_bound", verdict
+    assert verdict.dominant_stage == "preprocess"
+    assert verdict.cpu_utilization > 0.6
+
+
+def test_a_compute_heavy_model_is_diagnosed_gpu_bound_in_generate():
+    verdict = run_while_sampling(compute_heavy_model, lambda: 0.97, FakeStages())
+    assert verdict.quadrant == "gpu_bound", verdict
+    assert verdict.dominant_stage == "generate"
+
+
+def test_the_server_answers_a_diagnosis(server):
+    response = httpx.get(server.url + "/debug/bottleneck", params={"window_s": 1}, timeout=30)
+    assert response.status_code == 200
+    verdict = response.json()
+    assert verdict["quadrant"] in {"cpu_bound", "gpu_bound", "starved", "saturated"}
+    assert verdict["gpu_utilization"] is None  # no GPU here: absent, not zero
+    bad = httpx.get(server.url + "/debug/bottleneck", params={"window_s": 0}, timeout=30)
+    assert bad.status_code == 422
