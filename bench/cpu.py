@@ -29,6 +29,27 @@ PROMPTS = [
 ]
 
 
+def otlp_sink() -> str:
+    """A local OTLP/HTTP endpoint that accepts and discards spans, so export costs are real."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Sink(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the stdlib's name
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
 def formula_images(data: Path, count: int) -> list[bytes]:
     """A fixed list of real formula images, read once into memory."""
     folder = data / "im2latex-val" / "images"
@@ -88,9 +109,13 @@ def run(args: argparse.Namespace) -> list[dict]:
         "texel-nobatch": {f"{prefix}MAX_BATCH_SIZE": "1"},
     }
     if args.tracing_overhead:
+        sink = otlp_sink()
         configs = {
             "texel-trace-off": {"OTEL_SDK_DISABLED": "true"},
-            "texel-trace-on": {"OTEL_TRACES_SAMPLER": "always_on"},
+            "texel-trace-on": {
+                "OTEL_TRACES_SAMPLER": "always_on",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": sink,
+            },
         }
     records = []
     for server_name, extra in configs.items():
