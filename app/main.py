@@ -58,7 +58,9 @@ def build_app(settings: Settings | None = None) -> FastAPI:
     if setup_tracing(max_batch_size=max_batch) is not None:
         from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 
-        FastAPIInstrumentor.instrument_app(app, excluded_urls=UNTRACED_ROUTES)
+        FastAPIInstrumentor.instrument_app(
+            app, excluded_urls=UNTRACED_ROUTES, exclude_spans=["receive", "send"]
+        )
     return app
 
 

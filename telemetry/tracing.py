@@ -41,6 +41,8 @@ def setup_tracing(max_batch_size: int = 128) -> TracerProvider | None:
     if _provider is not None:
         return _provider
     os.environ.setdefault("OTEL_SERVICE_NAME", "texel")
+    # Current HTTP semantic conventions (http.request.method, url.path, ...).
+    os.environ.setdefault("OTEL_SEMCONV_STABILITY_OPT_IN", "http")
     limits = SpanLimits(max_links=max(128, max_batch_size))
     provider = TracerProvider(resource=Resource.create(), span_limits=limits)
     exporter = _exporter_from_env()
