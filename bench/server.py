@@ -73,9 +73,10 @@ class ServerProcess:
             time.sleep(0.1)
         raise TimeoutError(f"{path} not OK after {timeout} s:\n{self.log()}")
 
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-5000:]
+    def log(self, tail: int = 5000) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")[-tail:]
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of `name` whose labels include `labels`."""

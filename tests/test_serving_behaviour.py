@@ -161,3 +161,22 @@ def _wait_for(condition, timeout: float = 30.0) -> None:
             pass
         time.sleep(0.05)
     raise AssertionError("condition not met in time")
+
+
+def test_json_logs_are_one_object_a_line_with_the_request_trace_id(start_server):
+    import json
+
+    server = start_server(TEXEL_LOG_FORMAT="json", TEXEL_IMAGE__ENABLED="false")
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    with server.client() as client:
+        response = client.post(
+            "/recognize",
+            files={"image": ("f.png", formula_png(), "image/png")},
+            headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"},
+        )
+    assert response.status_code == 200
+    server.stop()
+    entries = [json.loads(line) for line in server.log(tail=10**7).splitlines() if line.strip()]
+    assert all({"time", "level", "logger", "message"} <= set(e) for e in entries)
+    access = [e for e in entries if "POST /recognize" in e["message"]]
+    assert access and access[0]["trace_id"] == trace_id and len(access[0]["span_id"]) == 16

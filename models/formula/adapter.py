@@ -22,6 +22,7 @@ from transformers import (
     VisionEncoderDecoderModel,
 )
 from transformers.utils import cached_file
+from transformers.utils import logging as transformers_logging
 
 from batching import OutOfMemory
 from models.devices import is_out_of_memory, model_name, resolve_dtype
@@ -102,6 +103,7 @@ class FormulaRecognizer:
 
     def load(self) -> None:
         """Load the tokenizer once and one model replica per device."""
+        transformers_logging.disable_progress_bar()  # a server's log is not a terminal
         self.tokenizer = AutoTokenizer.from_pretrained(self.source)
         for device in self.devices:
             dtype = resolve_dtype(self.dtype_setting, device, torch.bfloat16)

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch
 from diffusers import DiffusionPipeline
+from diffusers.utils import logging as diffusers_logging
 from PIL import Image
 from transformers.utils import cached_file
+from transformers.utils import logging as transformers_logging
 
 from batching import OutOfMemory
 from models.devices import is_out_of_memory, model_name, resolve_dtype
@@ -100,6 +102,8 @@ class ImageGenerator:
     # -- lifecycle -----------------------------------------------------------
 
     def load(self) -> None:
+        diffusers_logging.disable_progress_bar()  # a server's log is not a terminal
+        transformers_logging.disable_progress_bar()
         for device in self.devices:
             dtype = resolve_dtype(self.dtype_setting, device, torch.float16)
             pipe = DiffusionPipeline.from_pretrained(self.source, torch_dtype=dtype)
