@@ -38,6 +38,13 @@ from models.formula.preprocess import (
 VARIABLE_WIDTH_ENCODERS = frozenset({"swin", "donut-swin", "swinv2"})
 
 
+def accepts_any_width(encoder_config) -> bool:
+    """Swin-style windows, or native-resolution ViTs (positions computed per input size)."""
+    return encoder_config.model_type in VARIABLE_WIDTH_ENCODERS or bool(
+        getattr(encoder_config, "is_native", False)
+    )
+
+
 @dataclass(frozen=True)
 class FormulaInput:
     """One preprocessed formula: its grayscale strip and the bucket it pads to."""
@@ -110,12 +117,11 @@ class FormulaRecognizer:
             model = VisionEncoderDecoderModel.from_pretrained(self.source, dtype=dtype)
             self._models[str(device)] = model.to(device).eval()
         config = next(iter(self._models.values())).config
-        encoder_type = config.encoder.model_type
         processor_file = cached_file(self.source, "preprocessor_config.json")
         self.spec = FormulaImageSpec.from_pretrained(
             Path(processor_file).parent,
             channels=int(getattr(config.encoder, "num_channels", 1)),
-            fixed_size=encoder_type not in VARIABLE_WIDTH_ENCODERS,
+            fixed_size=not accepts_any_width(config.encoder),
         )
         if self.max_new_tokens is None:
             generation = next(iter(self._models.values())).generation_config

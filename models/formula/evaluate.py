@@ -1,0 +1,229 @@
+"""Dev-split evaluation of a formula model: BLEU-4, edit distance, exact match, latency.
+
+    python -m models.formula.evaluate --data ../shared/data/im2latex-val \
+        --model models/formula/default
+
+Images go through the server's preprocessing and are decoded greedily in
+width-sorted batches padded to the server's bucket widths. Scores are computed
+on `latex_tokens` (commands, escaped symbols, single characters), so spacing
+never counts. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from models.formula.data import (
+    load_strips,
+    read_formulas,
+    server_batch,
+    split_samples,
+    width_batches,
+)
+from models.formula.preprocess import FormulaImageSpec
+from models.formula.tokenizer import latex_tokens, normalize_spacing
+
+
+def _ngrams(tokens: Sequence[str], n: int) -> Counter:
+    return Counter(tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1))
+
+
+def corpus_bleu(
+    references: Sequence[Sequence[str]], hypotheses: Sequence[Sequence[str]], max_n: int = 4
+) -> float:
+    """Corpus BLEU (Papineni et al.): clipped 1..max_n-gram precisions, brevity penalty."""
+    matches = [0] * max_n
+    totals = [0] * max_n
+    ref_len = hyp_len = 0
+    for ref, hyp in zip(references, hypotheses, strict=True):
+        ref_len += len(ref)
+        hyp_len += len(hyp)
+        for n in range(1, max_n + 1):
+            hyp_ngrams = _ngrams(hyp, n)
+            ref_ngrams = _ngrams(ref, n)
+            matches[n - 1] += sum(min(c, ref_ngrams[g]) for g, c in hyp_ngrams.items())
+            totals[n - 1] += max(0, len(hyp) - n + 1)
+    if hyp_len == 0 or min(matches) == 0:
+        return 0.0
+    log_precision = sum(math.log(m / t) for m, t in zip(matches, totals, strict=True)) / max_n
+    brevity = 1.0 if hyp_len > ref_len else math.exp(1 - ref_len / hyp_len)
+    return brevity * math.exp(log_precision)
+
+
+def edit_distance(a: Sequence[str], b: Sequence[str]) -> int:
+    """Levenshtein distance between two token sequences."""
+    previous = list(range(len(b) + 1))
+    for i, token_a in enumerate(a, start=1):
+        current = [i]
+        for j, token_b in enumerate(b, start=1):
+            current.append(
+                min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (token_a != token_b))
+            )
+        previous = current
+    return previous[-1]
+
+
+def normalized_edit_distance(reference: Sequence[str], hypothesis: Sequence[str]) -> float:
+    """Edit distance divided by the longer sequence's length (0 = identical, 1 = nothing shared)."""
+    longest = max(len(reference), len(hypothesis))
+    return 0.0 if longest == 0 else edit_distance(reference, hypothesis) / longest
+
+
+@dataclass(frozen=True)
+class Scores:
+    bleu4: float
+    edit_distance: float
+    exact_match: float
+    count: int
+
+
+def score(references: Sequence[str], hypotheses: Sequence[str]) -> Scores:
+    """Token-level scores of hypotheses against references (whitespace ignored)."""
+    refs = [latex_tokens(r) for r in references]
+    hyps = [latex_tokens(h) for h in hypotheses]
+    return Scores(
+        bleu4=corpus_bleu(refs, hyps),
+        edit_distance=statistics.fmean(
+            normalized_edit_distance(r, h) for r, h in zip(refs, hyps, strict=True)
+        )
+        if refs
+        else 0.0,
+        exact_match=statistics.fmean(r == h for r, h in zip(refs, hyps, strict=True))
+        if refs
+        else 0.0,
+        count=len(refs),
+    )
+
+
+def load_model(model_dir: str | Path, device: str = "cpu"):
+    """Model, tokenizer and image spec, loaded the way the server loads them."""
+    from transformers import AutoTokenizer, VisionEncoderDecoderModel
+
+    model = VisionEncoderDecoderModel.from_pretrained(model_dir).to(device).eval()
+    if device == "cpu":
+        model = model.float()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    spec = FormulaImageSpec.from_pretrained(model_dir, channels=model.config.encoder.num_channels)
+    return model, tokenizer, spec
+
+
+@torch.inference_mode()
+def recognize(
+    model, tokenizer, spec: FormulaImageSpec, strips: Sequence[np.ndarray], batch_size: int = 64
+) -> list[str]:
+    """Greedy transcriptions of strips, in input order, batched as the server batches."""
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    max_new_tokens = model.generation_config.max_new_tokens or 256
+    out = [""] * len(strips)
+    for indices in width_batches([s.shape[1] for s in strips], batch_size):
+        pixels = torch.from_numpy(server_batch([strips[i] for i in indices], spec)).to(
+            device, dtype
+        )
+        ids = model.generate(
+            pixel_values=pixels, max_new_tokens=max_new_tokens, num_beams=1, do_sample=False
+        )
+        for i, text in zip(
+            indices, tokenizer.batch_decode(ids, skip_special_tokens=True), strict=True
+        ):
+            out[i] = normalize_spacing(text)
+    return out
+
+
+@torch.inference_mode()
+def single_latency_ms(
+    model, spec: FormulaImageSpec, strip: np.ndarray, repeats: int = 10
+) -> list[float]:
+    """Wall times of greedy recognition of one strip, batch of one, after a warm-up."""
+    max_new_tokens = model.generation_config.max_new_tokens or 256
+    pixels = torch.from_numpy(server_batch([strip], spec))
+    model.generate(pixel_values=pixels, max_new_tokens=max_new_tokens, num_beams=1, do_sample=False)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model.generate(
+            pixel_values=pixels, max_new_tokens=max_new_tokens, num_beams=1, do_sample=False
+        )
+        times.append((time.perf_counter() - start) * 1000)
+    return times
+
+
+def markdown_table(scores: Scores, extra: dict[str, str] | None = None) -> str:
+    rows = [
+        ("BLEU-4", f"{scores.bleu4:.4f}", "≥ 0.88"),
+        ("normalized edit distance", f"{scores.edit_distance:.4f}", "≤ 0.08"),
+        ("exact match", f"{scores.exact_match:.2%}", "≥ 40%"),
+        ("images (n)", str(scores.count), ""),
+    ]
+    for name, value in (extra or {}).items():
+        rows.append((name, value, ""))
+    lines = ["| metric | value | target |", "| --- | --- | --- |"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default="../shared/data/im2latex-val", help="im2latex-val folder")
+    parser.add_argument("--model", default="models/formula/default", help="model directory")
+    parser.add_argument("--split", choices=("dev", "train", "all"), default="dev")
+    parser.add_argument(
+        "--limit", type=int, default=0, help="evaluate only the first N images (0 = all)"
+    )
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    parser.add_argument(
+        "--latency", action="store_true", help="also time one typical formula on 2 CPU threads"
+    )
+    parser.add_argument(
+        "--errors", type=int, default=0, help="print this many wrong transcriptions"
+    )
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    samples = read_formulas(args.data)
+    train, dev = split_samples(samples)
+    chosen = {"dev": dev, "train": train, "all": samples}[args.split]
+    if args.limit:
+        chosen = chosen[: args.limit]
+    model, tokenizer, spec = load_model(args.model, args.device)
+    strips = load_strips(args.data, chosen, spec)
+    start = time.perf_counter()
+    hypotheses = recognize(model, tokenizer, spec, strips, args.batch_size)
+    elapsed = time.perf_counter() - start
+    references = [s.formula for s in chosen]
+    result = score(references, hypotheses)
+    extra = {"split": args.split, "decode time": f"{elapsed:.1f} s on {args.device}"}
+    if args.latency:
+        torch.set_num_threads(2)
+        model = model.to("cpu").float()
+        lengths = [len(r.split()) for r in references]
+        typical = int(np.argsort(lengths)[len(lengths) // 2])
+        times = single_latency_ms(model, spec, strips[typical])
+        extra["CPU latency p50, 2 threads"] = (
+            f"{statistics.median(times):.0f} ms "
+            f"({lengths[typical]} tokens, {strips[typical].shape[1]} px wide)"
+        )
+    print(markdown_table(result, extra))
+    if args.errors:
+        shown = 0
+        for sample, hyp in zip(chosen, hypotheses, strict=True):
+            if latex_tokens(hyp) != latex_tokens(sample.formula) and shown < args.errors:
+                print(f"\n{sample.name}\n  ref: {sample.formula}\n  hyp: {hyp}")
+                shown += 1
+
+
+if __name__ == "__main__":
+    main()
