@@ -1,0 +1,91 @@
+"""The shipped default models, served through the real server path."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from bench.server import ROOT, ServerProcess
+from tests.conftest import SHARED_DATA
+
+FORMULAS = SHARED_DATA / "im2latex-val"
+DEFAULT_FORMULA = ROOT / "models" / "formula" / "default"
+DEFAULT_IMAGE = ROOT / "models" / "image" / "default"
+
+
+def dev_samples(count: int) -> list[tuple[str, str]]:
+    """The first `count` images of the dev split (never trained on), in file order."""
+    from models.formula.data import is_dev
+
+    rows = [line.rstrip("\n").split("\t", 1) for line in (FORMULAS / "formulas.tsv").open()]
+    return [(name, latex) for name, latex in rows if is_dev(name)][:count]
+
+
+@pytest.fixture(scope="module")
+def default_server():
+    proc = ServerProcess({"TEXEL_DEVICE": "cpu", "TEXEL_FORMULA__MAX_BATCH_SIZE": "4"})
+    yield proc
+    proc.stop()
+
+
+def test_the_default_models_load_and_report_their_names(default_server):
+    ready = default_server.client().get("/readyz").json()
+    assert ready["models"] == {"formula": "ready", "image": "ready"}
+
+
+@pytest.mark.skipif(
+    not FORMULAS.exists(), reason=f"shared data not found at {FORMULAS}: set TEXEL_DATA"
+)
+def test_the_default_formula_model_reads_real_dev_images(default_server):
+    from models.formula.evaluate import normalized_edit_distance
+    from models.formula.tokenizer import latex_tokens
+
+    distances, exact = [], 0
+    with default_server.client() as client:
+        for name, reference in dev_samples(12):
+            data = (FORMULAS / "images" / name).read_bytes()
+            response = client.post("/recognize", files={"image": (name, data, "image/png")})
+            assert response.status_code == 200, response.text
+            body = response.json()
+            assert body["model"] == "texel-formula"
+            hypothesis = latex_tokens(body["latex"])
+            wanted = latex_tokens(reference)
+            exact += hypothesis == wanted
+            distances.append(normalized_edit_distance(wanted, hypothesis))
+    # Measured when the model was shipped: 2 of 12 exact, mean distance 0.14.
+    assert exact >= 2, distances
+    assert sum(distances) / len(distances) <= 0.2, distances
+    assert max(distances) < 0.5, distances
+
+
+def test_the_default_image_model_paints_the_prompted_background(default_server):
+    import random
+
+    from models.image.judge import score
+    from models.image.shapes import prompt_for, random_spec
+
+    rng = random.Random(7)
+    prompts = [prompt_for(random_spec(rng, held_out=None)) for _ in range(12)]
+    results = []
+    with default_server.client() as client:
+        for i, prompt in enumerate(prompts):
+            response = client.post("/generate", json={"prompt": prompt, "seed": i})
+            assert response.status_code == 200, response.text
+            png = base64.b64decode(response.json()["images"][0]["png_base64"])
+            image = Image.open(io.BytesIO(png)).convert("RGB")
+            assert image.size == (64, 64)
+            results.append(score(image, prompt))
+    # The shipped demonstration model gets backgrounds right (98% of held-out prompts in
+    # models/image/NOTES.md) but not yet colours, shapes or counts.
+    right = sum(r["background"] for r in results)
+    assert right >= 10, list(zip(prompts, results, strict=True))
+
+
+def test_default_models_are_small_enough_to_ship():
+    for directory in (DEFAULT_FORMULA, DEFAULT_IMAGE):
+        size = sum(p.stat().st_size for p in Path(directory).rglob("*") if p.is_file())
+        assert size <= 50 * 1024 * 1024, (directory, size)
