@@ -1,1 +1,1 @@
-"""Printed-formula recognition: the adapter, preprocessing, and the default model's training code."""
+"""Printed-formula recognition: adapter, preprocessing, and the default model's training."""
