@@ -129,6 +129,7 @@ class Batcher:
         self._idle_event = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
         self._draining = False
+        self.scheduling_steps = 0  # how often the scheduler woke up (tests check it idles)
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -264,12 +265,14 @@ class Batcher:
                 self._plan_batches()
             except Exception:  # a bug here must not silently stall every request
                 log.exception("batcher %s: scheduling step failed", self.name)
-            wakeup = self._queue.next_wakeup()
+            # With every worker busy only deadlines matter: a finishing batch wakes us.
+            wakeup = self._queue.next_wakeup(include_wait=bool(self._idle))
             timeout = None if wakeup is None else max(0.0, wakeup - self._clock())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
 
     def _plan_batches(self) -> None:
+        self.scheduling_steps += 1
         now = self._clock()
         for item in self._queue.expire(now):
             self._fail(item, DeadlineExceeded("the request waited past its deadline"), "deadline")

@@ -155,11 +155,16 @@ class BucketQueue:
             del self._buckets[key]
         return BatchPlan(bucket=key, items=take)
 
-    def next_wakeup(self) -> float | None:
-        """The earliest time at which a bucket's wait runs out or a deadline passes."""
+    def next_wakeup(self, include_wait: bool = True) -> float | None:
+        """The earliest time at which a bucket's wait runs out or a deadline passes.
+
+        Without `include_wait` only deadlines count: a scheduler with no idle worker
+        cannot launch a ready bucket anyway, and must not spin on one.
+        """
         times = []
         for items in self._buckets.values():
-            times.append(items[0].enqueued_at + self.policy.max_wait_s)
+            if include_wait:
+                times.append(items[0].enqueued_at + self.policy.max_wait_s)
             times.append(min(item.deadline for item in items))
         return min(times, default=None)
 

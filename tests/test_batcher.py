@@ -218,3 +218,17 @@ async def test_several_workers_run_batches_in_parallel():
     assert time.monotonic() - started < 0.55
     assert {r.worker for r in results} == {"gpu0", "gpu1"}
     await batcher.close()
+
+
+async def test_the_scheduler_sleeps_while_every_worker_is_busy():
+    """Ready buckets with no idle worker must not spin the event loop (it starves compute)."""
+    model = FakeModel(delay_s=0.6)
+    batcher = make_batcher(model, max_batch_size=1, max_wait_s=0)
+    tasks = [asyncio.create_task(batcher.submit(i, bucket="a", timeout_s=10)) for i in range(4)]
+    await asyncio.sleep(0.4)  # one batch running, three ready requests waiting
+    steps = batcher.scheduling_steps
+    await asyncio.sleep(0.15)
+    assert batcher.scheduling_steps - steps <= 2
+    for task in tasks:
+        task.cancel()
+    await batcher.close()

@@ -155,3 +155,9 @@ def test_every_accepted_request_leaves_exactly_once_in_a_valid_batch(
             out.extend(plan.items)
     assert sorted(p.payload for p in out) == sorted(p.payload for p in accepted)
     assert queue.queued_cost == 0
+
+
+def test_next_wakeup_without_an_idle_worker_counts_only_deadlines():
+    queue = BucketQueue(BatchPolicy(max_batch_size=8, max_wait_s=0.25, max_queue=10))
+    queue.push(pending(64, at=1.0, timeout=10))
+    assert queue.next_wakeup(include_wait=False) == pytest.approx(11.0)
