@@ -48,20 +48,28 @@ class ServedModel:
     def ready(self) -> bool:
         return self.state == "ready"
 
-    async def start(self) -> None:
-        """Load and warm up off the event loop, then start batching."""
+    async def start(self, executor_for) -> None:
+        """Load off the event loop, warm up each device on its worker thread, start batching.
+
+        `executor_for(key, device)` gives the single thread that runs this model's
+        batches on `device`.
+        """
         started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        workers = []
         try:
             await asyncio.to_thread(self.adapter.load)
-            await asyncio.to_thread(self.adapter.warmup, self.settings.max_batch_size)
+            for device in self.adapter.devices:
+                executor = executor_for(self.key, device)
+                await loop.run_in_executor(
+                    executor, self.adapter.warmup, device, self.settings.max_batch_size
+                )
+                workers.append(Worker(str(device), self.adapter.runner(device), executor))
         except Exception as exc:
             self.state = "failed"
             self.error = f"{type(exc).__name__}: {exc}"
             log.exception("could not load the %s model from %s", self.key, self.settings.model)
             return
-        workers = [
-            Worker(str(device), self.adapter.runner(device)) for device in self.adapter.devices
-        ]
         policy = BatchPolicy(
             max_batch_size=self.settings.max_batch_size,
             max_wait_s=self.settings.max_wait_ms / 1000,
@@ -120,6 +128,7 @@ class Runtime:
     draining: bool = False
     loader: asyncio.Task | None = None
     bottleneck: BottleneckSampler = field(default_factory=BottleneckSampler)
+    compute_threads: dict[str, ThreadPoolExecutor] = field(default_factory=dict)
 
     @property
     def ready(self) -> bool:
@@ -138,9 +147,24 @@ class Runtime:
         # Load in the background: /livez answers at once and /readyz reports progress.
         self.loader = asyncio.get_running_loop().create_task(self._load_all())
 
+    def compute_thread(self, model: str, device) -> ThreadPoolExecutor:
+        """The thread that runs batches of `model` on `device`.
+
+        A CPU gets one thread for every model: torch's OpenMP teams, one per
+        computing thread, would otherwise spin against each other on the same
+        cores. A GPU gets one per model, so a long image batch does not hold up
+        formulas queued for the same card.
+        """
+        key = str(device) if device.type == "cpu" else f"{model}-{device}"
+        if key not in self.compute_threads:
+            self.compute_threads[key] = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"texel-compute-{key}"
+            )
+        return self.compute_threads[key]
+
     async def _load_all(self) -> None:
         for model in self.models.values():
-            await model.start()
+            await model.start(self.compute_thread)
 
     async def drain(self) -> None:
         """Stop taking requests and finish every queued and running one."""
@@ -158,6 +182,8 @@ class Runtime:
                 await model.batcher.close()
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
+        for executor in self.compute_threads.values():
+            executor.shutdown(wait=False, cancel_futures=True)
 
 
 def _build_models(settings: Settings) -> dict[str, ServedModel]:

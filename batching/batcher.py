@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -44,10 +44,16 @@ class BatchRunner(Protocol):
 
 @dataclass(frozen=True)
 class Worker:
-    """A device and the function that runs batches on it."""
+    """A device and the function that runs batches on it.
+
+    `executor` is the single thread that runs them; pass one to share a device's
+    thread between batchers (a CPU should have one compute thread), else the
+    batcher makes its own.
+    """
 
     name: str
     run: BatchRunner
+    executor: Executor | None = None
 
 
 class BatchObserver(Protocol):
@@ -119,10 +125,13 @@ class Batcher:
         self._queue = BucketQueue(policy)
         self._drain_rate = DrainRate()
         self._idle: list[Worker] = list(reversed(self._workers))
-        self._executors = {
-            w.name: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"texel-{name}-{w.name}")
-            for w in self._workers
-        }
+        self._executors: dict[str, Executor] = {}
+        self._owned: list[ThreadPoolExecutor] = []
+        for w in self._workers:
+            if w.executor is None:
+                own = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"texel-{name}-{w.name}")
+                self._owned.append(own)
+            self._executors[w.name] = w.executor or own
         self._tasks: set[asyncio.Task] = set()
         self._inflight = 0  # batches handed to a worker and not yet resolved
         self._wakeup = asyncio.Event()
@@ -163,7 +172,7 @@ class Batcher:
         for item in list(self._queue):
             self._queue.remove(item)
             self._fail(item, Draining("the server is shutting down"), "draining")
-        for executor in self._executors.values():
+        for executor in self._owned:
             executor.shutdown(wait=False, cancel_futures=True)
 
     # -- introspection -------------------------------------------------------

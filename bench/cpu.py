@@ -117,6 +117,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 "OTEL_EXPORTER_OTLP_ENDPOINT": sink,
             },
         }
+    if args.only:
+        configs = {args.only: configs[args.only]}
     records = []
     for server_name, extra in configs.items():
         env = {
@@ -125,6 +127,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             f"{prefix}MAX_QUEUE": "1024",
             "TEXEL_DEVICE": "cpu",
             **({f"{prefix}MODEL": args.model} if args.model else {}),
+            **dict(kv.split("=", 1) for kv in args.env),
             **extra,
         }
         server = ServerProcess(env)
@@ -195,6 +198,10 @@ def main() -> None:
         action="store_true",
         help="compare tracing off vs on (100%% sampling) instead of batching on vs off",
     )
+    parser.add_argument(
+        "--env", action="append", default=[], help="extra KEY=VALUE for the servers (repeatable)"
+    )
+    parser.add_argument("--only", help="run only this server configuration")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu.jsonl")
     args = parser.parse_args()
     args.argv = sys.argv[1:]

@@ -127,20 +127,22 @@ class FormulaRecognizer:
             generation = next(iter(self._models.values())).generation_config
             self.max_new_tokens = int(getattr(generation, "max_new_tokens", None) or 256)
 
-    def warmup(self, max_batch_size: int) -> None:
-        """Run every bucket width once and the largest batch once, on every device."""
+    def warmup(self, device: torch.device, max_batch_size: int) -> None:
+        """Run every bucket width once and the largest batch once on `device`.
+
+        Call it on the thread that will run the device's batches: on a CPU, torch's
+        OpenMP team belongs to the thread that first computes.
+        """
         spec = self._spec
         widths = sorted(
             {bucket_width(w, spec, self.bucket_step) for w in range(1, spec.max_width + 1)}
         )
         blank = np.full((spec.height, spec.width_multiple), 255, dtype=np.uint8)
-        for device in self._models:
-            for width in widths:
-                self._generate(
-                    device, [FormulaInput(blank, width)], lambda: False, max_new_tokens=2
-                )
-            batch = [FormulaInput(blank, widths[0])] * max_batch_size
-            self._generate(device, batch, lambda: False, max_new_tokens=2)
+        key = str(device)
+        for width in widths:
+            self._generate(key, [FormulaInput(blank, width)], lambda: False, max_new_tokens=2)
+        batch = [FormulaInput(blank, widths[0])] * max_batch_size
+        self._generate(key, batch, lambda: False, max_new_tokens=2)
 
     # -- per request ---------------------------------------------------------
 

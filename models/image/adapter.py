@@ -111,12 +111,11 @@ class ImageGenerator:
             self._pipes[str(device)] = pipe.to(device)
         self.defaults = self._read_defaults(next(iter(self._pipes.values())))
 
-    def warmup(self, max_batch_size: int) -> None:
-        """One full batch at the default settings on every device."""
+    def warmup(self, device: torch.device, max_batch_size: int) -> None:
+        """One full batch at the default settings on `device`, on its worker thread."""
         d = self._defaults
         job = ImageJob("warm-up", None, d.width, d.height, min(d.steps, 2), d.guidance, (0,))
-        for device in self._pipes:
-            self._generate(device, [job] * max_batch_size, lambda: False)
+        self._generate(str(device), [job] * max_batch_size, lambda: False)
 
     # -- per request ---------------------------------------------------------
 
