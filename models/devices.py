@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from batching import OutOfMemory
 
 
 def resolve_devices(setting: str) -> list[torch.device]:
@@ -41,6 +45,19 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError | MemoryError) or (
         isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
     )
+
+
+@contextlib.contextmanager
+def out_of_memory_as_batching_error() -> Iterator[None]:
+    """Turn a device's out-of-memory error into the batcher's `OutOfMemory`, which splits."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        raise OutOfMemory(str(exc)) from exc
 
 
 def model_name(source: str, name: str | None = None) -> str:

@@ -24,8 +24,7 @@ from transformers import (
 from transformers.utils import cached_file
 from transformers.utils import logging as transformers_logging
 
-from batching import OutOfMemory
-from models.devices import is_out_of_memory, model_name, resolve_dtype
+from models.devices import model_name, out_of_memory_as_batching_error, resolve_dtype
 from models.formula.preprocess import (
     FormulaImageSpec,
     bucket_width,
@@ -193,21 +192,14 @@ class FormulaRecognizer:
         pixels = torch.from_numpy(pad_and_normalize([i.strip for i in batch], width, self._spec))
         pixels = pixels.to(model.device, dtype=model.dtype, non_blocking=True)
         started = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                output = model.generate(
-                    pixel_values=pixels,
-                    max_new_tokens=max_new_tokens or self.max_new_tokens,
-                    num_beams=self.num_beams,
-                    do_sample=False,
-                    stopping_criteria=StoppingCriteriaList([_StopWhen(should_stop)]),
-                )
-        except Exception as exc:
-            if is_out_of_memory(exc):
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                raise OutOfMemory(str(exc)) from exc
-            raise
+        with out_of_memory_as_batching_error(), torch.inference_mode():
+            output = model.generate(
+                pixel_values=pixels,
+                max_new_tokens=max_new_tokens or self.max_new_tokens,
+                num_beams=self.num_beams,
+                do_sample=False,
+                stopping_criteria=StoppingCriteriaList([_StopWhen(should_stop)]),
+            )
         elapsed = time.perf_counter() - started
         ids = output.tolist()
         special = set(self.tokenizer.all_special_ids)

@@ -23,8 +23,7 @@ from PIL import Image
 from transformers.utils import cached_file
 from transformers.utils import logging as transformers_logging
 
-from batching import OutOfMemory
-from models.devices import is_out_of_memory, model_name, resolve_dtype
+from models.devices import model_name, out_of_memory_as_batching_error, resolve_dtype
 from models.errors import InvalidParameter
 
 DEFAULTS_FILE = "texel.json"  # optional {"num_inference_steps", "guidance_scale"}
@@ -233,25 +232,18 @@ class ImageGenerator:
                 pipeline._interrupt = True
             return kwargs
 
-        try:
-            with torch.inference_mode():
-                result = pipe(
-                    prompt=prompts,
-                    negative_prompt=negatives if any(negatives) else None,
-                    height=first.height,
-                    width=first.width,
-                    num_inference_steps=first.steps,
-                    guidance_scale=first.guidance,
-                    generator=generators,
-                    output_type="pil",
-                    callback_on_step_end=on_step_end,
-                )
-        except Exception as exc:
-            if is_out_of_memory(exc):
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                raise OutOfMemory(str(exc)) from exc
-            raise
+        with out_of_memory_as_batching_error(), torch.inference_mode():
+            result = pipe(
+                prompt=prompts,
+                negative_prompt=negatives if any(negatives) else None,
+                height=first.height,
+                width=first.width,
+                num_inference_steps=first.steps,
+                guidance_scale=first.guidance,
+                generator=generators,
+                output_type="pil",
+                callback_on_step_end=on_step_end,
+            )
         images = list(result.images)
         out, start = [], 0
         for job in batch:

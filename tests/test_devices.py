@@ -1,0 +1,36 @@
+"""Device selection and out-of-memory handling, on a machine without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batching import OutOfMemory
+from models.devices import model_name, out_of_memory_as_batching_error, resolve_devices
+
+
+def test_auto_falls_back_to_the_cpu_without_cuda():
+    assert resolve_devices("auto") == [torch.device("cpu")]
+    assert resolve_devices("cpu") == [torch.device("cpu")]
+
+
+def test_asking_for_a_missing_gpu_is_a_clear_error():
+    for setting in ("cuda", "cuda:3"):
+        with pytest.raises(RuntimeError, match="not available|no CUDA"):
+            resolve_devices(setting)
+    with pytest.raises(ValueError, match="unknown device"):
+        resolve_devices("tpu")
+
+
+def test_a_device_out_of_memory_error_becomes_the_batchers_splitting_signal():
+    with pytest.raises(OutOfMemory), out_of_memory_as_batching_error():
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    with pytest.raises(ValueError), out_of_memory_as_batching_error():
+        raise ValueError("an ordinary bug stays itself")
+
+
+def test_shipped_models_are_named_after_their_task(tmp_path):
+    (tmp_path / "formula" / "default").mkdir(parents=True)
+    assert model_name(str(tmp_path / "formula" / "default")) == "texel-formula"
+    assert model_name("org/some-model") == "org/some-model"
+    assert model_name("org/some-model", "custom") == "custom"
