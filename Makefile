@@ -15,7 +15,7 @@ else
 TORCH_SPEC ?= torch==2.13.0
 endif
 
-.PHONY: install run test lint format bench bench-cpu eval-formula eval-image train-formula train-image clean
+.PHONY: install run test lint format bench bench-cpu bench-gpu eval-formula eval-image train-formula train-image clean
 
 install: $(STAMP)
 
@@ -44,6 +44,11 @@ bench: bench-cpu
 
 bench-cpu: install
 	$(PY) -m bench.cpu
+
+# Texel vs Texel without batching vs LitServe vs the bare model, on this machine's GPU.
+bench-gpu: install
+	$(VENV)/bin/pip install --quiet -e ".[dev,bench]"
+	$(PY) -m bench.compare --data $(DATA)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -12,12 +12,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
-import subprocess
 import time
 from pathlib import Path
 
+from bench.common import commit, formula_images, machine
 from bench.load import LoadResult, Workload, closed_loop
 from bench.server import ROOT, ServerProcess
 
@@ -50,15 +48,6 @@ def otlp_sink() -> str:
     return f"http://127.0.0.1:{server.server_address[1]}"
 
 
-def formula_images(data: Path, count: int) -> list[bytes]:
-    """A fixed list of real formula images, read once into memory."""
-    folder = data / "im2latex-val" / "images"
-    names = sorted(folder.glob("*.png"), key=lambda p: int(p.stem))[:count]
-    if not names:
-        raise SystemExit(f"no images under {folder}; pass --data")
-    return [p.read_bytes() for p in names]
-
-
 def formula_workload(images: list[bytes]) -> Workload:
     return Workload(
         "POST",
@@ -71,28 +60,6 @@ def image_workload() -> Workload:
     return Workload(
         "POST", "/generate", lambda i: {"json": {"prompt": PROMPTS[i % len(PROMPTS)], "seed": i}}
     )
-
-
-def machine() -> str:
-    cores = os.cpu_count()
-    try:
-        model = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        model = platform.processor() or "unknown CPU"
-    return f"{cores} cores, {model}"
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def run(args: argparse.Namespace) -> list[dict]:

@@ -1,0 +1,277 @@
+"""Texel against its peers on one machine, same model, same client, same images.
+
+    python -m bench.compare --concurrency 1,8,32,128,256 --duration 20
+
+Servers, in one run: `texel` (as shipped, with `--max-batch-size`), `texel-nobatch`
+(`MAX_BATCH_SIZE=1`), `litserve` (LitServe batching over Texel's own adapter) and
+`model-only` (preprocessed batches straight into the model, no server: the
+ceiling). Every HTTP server gets the same JSON `image_base64` requests from the
+same closed-loop client. Records go to `bench/results/<machine>.jsonl`, one per
+(server, concurrency), naming the GPU, the command and the commit; a markdown
+table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.common import commit, formula_images, machine
+from bench.load import LoadResult, Workload, closed_loop, open_loop
+from bench.server import ROOT, ServerProcess, free_port
+
+
+def gpu_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"no GPU ({machine()})"
+
+
+def json_workload(path: str, images: list[bytes]) -> Workload:
+    bodies = [{"image_base64": base64.b64encode(image).decode()} for image in images]
+    return Workload("POST", path, lambda i: {"json": bodies[i % len(bodies)]})
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Sums and counts of Texel's batch histograms, to diff around a measurement."""
+    wanted = (
+        "texel_batch_size_sum",
+        "texel_batch_size_count",
+        "texel_padding_efficiency_sum",
+        "texel_padding_efficiency_count",
+        "texel_gpu_utilization_ratio",
+    )
+    values: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted:
+            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def texel_extras(before: dict[str, float], after: dict[str, float]) -> dict:
+    def mean(metric: str) -> float | None:
+        count = after.get(f"{metric}_count", 0) - before.get(f"{metric}_count", 0)
+        total = after.get(f"{metric}_sum", 0) - before.get(f"{metric}_sum", 0)
+        return round(total / count, 3) if count else None
+
+    return {
+        "server_mean_batch_size": mean("texel_batch_size"),
+        "padding_efficiency": mean("texel_padding_efficiency"),
+        "gpu_utilization_end": after.get("texel_gpu_utilization_ratio"),
+    }
+
+
+class LitServeProcess:
+    """bench.litserve_formula in a subprocess on a free port."""
+
+    def __init__(self, model: str, max_batch_size: int, batch_timeout: float) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = Path("/tmp") / f"texel-litserve-{self.port}.log"
+        args = [sys.executable, "-m", "bench.litserve_formula", "--model", model]
+        args += ["--port", str(self.port), "--max-batch-size", str(max_batch_size)]
+        args += ["--batch-timeout", str(batch_timeout)]
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(self.log.read_text()[-3000:])
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("LitServe did not become healthy")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def model_only(model: str, images: list[bytes], batch_sizes: list[int]) -> list[dict]:
+    """The model alone: inputs preprocessed and grouped by bucket, best batch size wins."""
+    import torch
+
+    from models.devices import resolve_devices
+    from models.formula.adapter import FormulaRecognizer
+
+    device = resolve_devices("auto")[0]
+    recognizer = FormulaRecognizer(model, [device])
+    recognizer.load()
+    recognizer.warmup(device, max(batch_sizes))
+    run = recognizer.runner(device)
+    items = [recognizer.preprocess(image) for image in images]
+    by_bucket: dict[int, list] = {}
+    for item in items:
+        by_bucket.setdefault(item.bucket, []).append(item)
+    out = []
+    for size in batch_sizes:
+        batches = []
+        for bucket_items in by_bucket.values():
+            pool = bucket_items * (size // len(bucket_items) + 1)
+            batches.extend(
+                pool[i : i + size] for i in range(0, len(bucket_items), size) if pool[i : i + size]
+            )
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        done = 0
+        for batch in batches:
+            run(batch, lambda: False)
+            done += len(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - started
+        out.append({"batch_size": size, "throughput_rps": round(done / elapsed, 2)})
+        print(json.dumps({"model-only": out[-1]}), flush=True)
+    return out
+
+
+def record(args, server: str, concurrency, result: LoadResult | None, **extra) -> dict:
+    base = {
+        "scenario": "formula",
+        "server": server,
+        "concurrency": concurrency,
+        "gpu": gpu_name(),
+        "commit": commit(),
+        "command": "python -m bench.compare " + " ".join(args.argv),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if result is not None:
+        summary = result.summary()
+        base.update(
+            throughput_rps=summary["throughput_rps"],
+            p50_ms=summary["p50_ms"],
+            p95_ms=summary["p95_ms"],
+            p99_ms=summary["p99_ms"],
+            errors=summary["errors"],
+            requests=summary["requests"],
+            mode=summary["mode"],
+        )
+    base.update(extra)
+    print(json.dumps(base), flush=True)
+    return base
+
+
+def sweep(args, server: str, url: str, workload: Workload, is_texel: bool) -> list[dict]:
+    records = []
+    for concurrency in args.concurrency:
+        before = scrape(url) if is_texel else {}
+        result = asyncio.run(closed_loop(url, workload, concurrency, args.duration, args.warmup))
+        extra = texel_extras(before, scrape(url)) if is_texel else {}
+        records.append(record(args, server, concurrency, result, **extra))
+    for rate in args.rates if is_texel else []:
+        result = asyncio.run(open_loop(url, workload, rate, args.duration))
+        records.append(record(args, server, f"poisson@{rate}", result))
+    return records
+
+
+def run(args) -> list[dict]:
+    images = formula_images(args.data, args.images)
+    records: list[dict] = []
+    env = {"TEXEL_IMAGE__ENABLED": "false", "TEXEL_FORMULA__MODEL": args.model}
+    env["TEXEL_FORMULA__MAX_QUEUE"] = str(max(args.concurrency) * 4)
+    env["TEXEL_FORMULA__MAX_WAIT_MS"] = str(args.max_wait_ms)
+    for server in args.servers:
+        if server in ("texel", "texel-nobatch"):
+            batch = args.max_batch_size if server == "texel" else 1
+            proc = ServerProcess({**env, "TEXEL_FORMULA__MAX_BATCH_SIZE": str(batch)})
+            try:
+                workload = json_workload("/recognize", images)
+                records += sweep(args, server, proc.url, workload, is_texel=True)
+            finally:
+                proc.stop()
+        elif server == "litserve":
+            lit = LitServeProcess(args.model, args.max_batch_size, args.max_wait_ms / 1000)
+            try:
+                records += sweep(args, server, lit.url, json_workload("/predict", images), False)
+            finally:
+                lit.stop()
+        elif server == "model-only":
+            sizes = sorted({1, *args.concurrency, args.max_batch_size})
+            results = model_only(args.model, images, [s for s in sizes if s <= args.max_batch_size])
+            best = max(results, key=lambda r: r["throughput_rps"])
+            records.append(
+                record(
+                    args,
+                    "model-only",
+                    best["batch_size"],
+                    None,
+                    throughput_rps=best["throughput_rps"],
+                    sweep=results,
+                )
+            )
+    return records
+
+
+def table(records: list[dict]) -> str:
+    lines = [
+        f"GPU: {records[0]['gpu']}; commit {records[0]['commit']}",
+        "",
+        "| server | concurrency | formulas/s | p50 ms | p95 ms | p99 ms | batch | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in records:
+        lines.append(
+            f"| {r['server']} | {r['concurrency']} | {r['throughput_rps']} "
+            f"| {r.get('p50_ms', '-')} | {r.get('p95_ms', '-')} | {r.get('p99_ms', '-')} "
+            f"| {r.get('server_mean_batch_size') or '-'} | {r.get('errors') or '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--model", default=str(ROOT / "models" / "formula" / "default"))
+    parser.add_argument("--images", type=int, default=500)
+    parser.add_argument(
+        "--servers",
+        type=lambda s: s.split(","),
+        default=["texel", "texel-nobatch", "litserve", "model-only"],
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 8, 32, 128, 256],
+    )
+    parser.add_argument(
+        "--rates", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
+        help="open-loop Poisson arrival rates (req/s) for Texel",
+    )  # fmt: skip
+    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--max-batch-size", type=int, default=128)
+    parser.add_argument("--max-wait-ms", type=float, default=10.0)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    args.argv = sys.argv[1:]
+    records = run(args)
+    slug = "".join(c if c.isalnum() else "-" for c in records[0]["gpu"].lower()).strip("-")
+    out = args.out or ROOT / "bench" / "results" / f"{slug[:40]}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as handle:
+        for r in records:
+            handle.write(json.dumps(r) + "\n")
+    print()
+    print(table(records))
+
+
+if __name__ == "__main__":
+    main()
