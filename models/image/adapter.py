@@ -8,6 +8,7 @@ steps and guidance share one pipeline call.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import secrets
@@ -97,6 +98,7 @@ class ImageGenerator:
         self.size_multiple = 8
         self._pipes: dict[str, DiffusionPipeline] = {}
         self._tokenizer_lock = threading.Lock()
+        self._prompt_tokenizer = None
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -108,7 +110,12 @@ class ImageGenerator:
             pipe = DiffusionPipeline.from_pretrained(self.source, torch_dtype=dtype)
             pipe.set_progress_bar_config(disable=True)
             self._pipes[str(device)] = pipe.to(device)
-        self.defaults = self._read_defaults(next(iter(self._pipes.values())))
+        first = next(iter(self._pipes.values()))
+        self.defaults = self._read_defaults(first)
+        # A fast tokenizer's padding/truncation settings are shared mutable state: the
+        # request path gets its own copy, never the one the pipeline uses in its thread.
+        tokenizer = getattr(first, "tokenizer", None)
+        self._prompt_tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
 
     def warmup(self, device: torch.device, max_batch_size: int) -> None:
         """One full batch at the default settings on `device`, on its worker thread."""
@@ -147,7 +154,7 @@ class ImageGenerator:
 
     def tokenize(self, job: ImageJob) -> ImageJob:
         """Encode the prompt with the pipeline's tokenizer: refuse one it would truncate."""
-        tokenizer = getattr(next(iter(self._pipes.values())), "tokenizer", None)
+        tokenizer = self._prompt_tokenizer
         if tokenizer is None:
             return job
         with self._tokenizer_lock:
