@@ -93,9 +93,9 @@ def install_error_handlers(app: FastAPI) -> None:
         # A body that is not JSON at all is malformed; JSON with bad values is 422.
         if any(e.get("type") in ("json_invalid", "model_attributes_type") for e in errors):
             return error_response(malformed("the body is not a valid JSON object"))
-        model = {"/generate": "image", "/recognize": "formula"}.get(request.url.path)
-        if model:
-            metrics.REJECTED.labels(model, "invalid").inc()
+        key = {"/generate": "image", "/recognize": "formula"}.get(request.url.path)
+        if key:
+            metrics.REJECTED.labels(request.app.state.runtime.model_label(key), "invalid").inc()
         details = "; ".join(
             f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}"
             for e in errors

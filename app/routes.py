@@ -96,12 +96,13 @@ async def _handle(request: Request, route: str, key: str, flow) -> Response:
             return response
         except Exception as exc:
             error = to_api_error(exc)
+            label = runtime.model_label(key)
             if isinstance(exc, InputError | ApiError) and error.status < 500:
-                metrics.REJECTED.labels(key, "invalid").inc()
+                metrics.REJECTED.labels(label, "invalid").inc()
             elif error.status == 503 and error.code in ("not_ready", "model_failed"):
-                metrics.REJECTED.labels(key, "not_ready").inc()
+                metrics.REJECTED.labels(label, "not_ready").inc()
             elif error.status == 500:
-                metrics.REJECTED.labels(key, "failed").inc()
+                metrics.REJECTED.labels(label, "failed").inc()
             observed.finish(error.status, trace.trace_id if trace else None)
             return error_response(error)
 

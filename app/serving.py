@@ -136,6 +136,11 @@ class Runtime:
             bool(self.models) and not self.draining and all(m.ready for m in self.models.values())
         )
 
+    def model_label(self, key: str) -> str:
+        """The `model` label of a task's metrics: the served model's name."""
+        served = self.models.get(key)
+        return served.name if served is not None else key
+
     async def run_in_pool(self, fn, *args):
         assert self.pool is not None
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
