@@ -94,14 +94,15 @@ class ServedModel:
         """Queue a preprocessed payload; record `queue.wait` and `generate` spans."""
         assert self.batcher is not None
         submitted_ns = time.time_ns()
+        bucket_key = self.adapter.bucket(payload)
         result = await self.batcher.submit(
             payload,
-            bucket=self.adapter.bucket(payload),
+            bucket=bucket_key,
             cost=self.adapter.cost(payload),
             timeout_s=self.timeout_s,
             context=trace.span_context,
         )
-        bucket = str(self.adapter.bucket(payload))
+        bucket = str(bucket_key)
         trace.record("queue.wait", submitted_ns, result.queue_wait_s, **{"texel.bucket": bucket})
         links = [Link(result.batch_ref)] if result.batch_ref is not None else None
         trace.record(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import platform
 import subprocess
@@ -19,6 +21,7 @@ def formula_images(data: Path, count: int) -> list[bytes]:
     return [p.read_bytes() for p in names]
 
 
+@functools.cache
 def machine() -> str:
     cores = os.cpu_count()
     try:
@@ -32,6 +35,7 @@ def machine() -> str:
     return f"{cores} cores, {model}"
 
 
+@functools.cache
 def commit() -> str:
     try:
         return subprocess.run(
@@ -39,3 +43,11 @@ def commit() -> str:
         ).stdout.strip()
     except OSError:
         return "unknown"
+
+
+def append_records(records: list[dict], path: Path) -> None:
+    """Append benchmark records to a JSON-lines results file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as out:
+        for record in records:
+            out.write(json.dumps(record) + "\n")

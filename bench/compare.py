@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import functools
 import json
 import subprocess
 import sys
@@ -24,11 +25,12 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import commit, formula_images, machine
+from bench.common import append_records, commit, formula_images, machine
 from bench.load import LoadResult, Workload, closed_loop, open_loop
 from bench.server import ROOT, ServerProcess, free_port
 
 
+@functools.cache
 def gpu_name() -> str:
     import torch
 
@@ -265,10 +267,7 @@ def main() -> None:
     records = run(args)
     slug = "".join(c if c.isalnum() else "-" for c in records[0]["gpu"].lower()).strip("-")
     out = args.out or ROOT / "bench" / "results" / f"{slug[:40]}.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a") as handle:
-        for r in records:
-            handle.write(json.dumps(r) + "\n")
+    append_records(records, out)
     print()
     print(table(records))
 

@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from bench.common import commit, formula_images, machine
+from bench.common import append_records, commit, formula_images, machine
 from bench.load import LoadResult, Workload, closed_loop
 from bench.server import ROOT, ServerProcess
 
@@ -173,10 +173,7 @@ def main() -> None:
     args = parser.parse_args()
     args.argv = sys.argv[1:]
     records = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as out:
-        for record in records:
-            out.write(json.dumps(record) + "\n")
+    append_records(records, args.out)
     print()
     print(table(records))
 
