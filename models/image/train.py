@@ -542,7 +542,8 @@ def main(argv: list[str] | None = None) -> None:
     timings["unet_s"] = time.perf_counter() - started
 
     pipe = assemble(vae.float().cpu(), text_encoder.float().cpu(), tokenizer, unet.float().cpu())
-    pipe.save_pretrained(args.out, safe_serialization=True)
+    # fp16 on disk halves the download; loaders upcast to the serving dtype (fp32 on CPU).
+    pipe.to(torch.float16).save_pretrained(args.out, safe_serialization=True)
     # Keep the hand-built BPE files beside the tokenizer.json that save_pretrained writes.
     build_tokenizer(args.out / "tokenizer")
     write_defaults(args.out, args.steps, args.guidance)
