@@ -106,8 +106,13 @@ class LitServeProcess:
             self.process.kill()
 
 
-def model_only(model: str, images: list[bytes], batch_sizes: list[int]) -> list[dict]:
-    """The model alone: inputs preprocessed and grouped by bucket, best batch size wins."""
+def model_only(
+    model: str, images: list[bytes], batch_sizes: list[int], budget_s: float
+) -> list[dict]:
+    """The model alone: inputs preprocessed and grouped by bucket, best batch size wins.
+
+    Each batch size runs over the images once, or for `budget_s` seconds if that is shorter.
+    """
     import torch
 
     from models.devices import resolve_devices
@@ -137,6 +142,8 @@ def model_only(model: str, images: list[bytes], batch_sizes: list[int]) -> list[
         for batch in batches:
             run(batch, lambda: False)
             done += len(batch)
+            if time.perf_counter() - started > budget_s:
+                break
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - started
@@ -207,7 +214,12 @@ def run(args) -> list[dict]:
                 lit.stop()
         elif server == "model-only":
             sizes = sorted({1, *args.concurrency, args.max_batch_size})
-            results = model_only(args.model, images, [s for s in sizes if s <= args.max_batch_size])
+            results = model_only(
+                args.model,
+                images,
+                [s for s in sizes if s <= args.max_batch_size],
+                args.duration,
+            )
             best = max(results, key=lambda r: r["throughput_rps"])
             records.append(
                 record(
