@@ -74,6 +74,7 @@ class ServedModel:
             max_batch_size=self.settings.max_batch_size,
             max_wait_s=self.settings.max_wait_ms / 1000,
             max_queue=self.settings.max_queue,
+            merge_buckets=self.adapter.merge_buckets,
         )
         observer = BatchTelemetry(
             self.name, self.adapter.operation, padding_efficiency=self.adapter.padding_efficiency
@@ -209,6 +210,8 @@ def _build_models(settings: Settings) -> dict[str, ServedModel]:
             num_beams=f.num_beams,
             max_new_tokens=f.max_new_tokens,
             max_pixels=settings.max_image_pixels,
+            decoder=f.decoder,
+            merge_buckets=f.merge_buckets,
         )
         served["formula"] = ServedModel("formula", adapter, f, settings.request_timeout_s)
     if settings.image.enabled:

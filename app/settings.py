@@ -40,7 +40,17 @@ class FormulaSettings(ModelSettings):
     bucket_width: int = Field(
         64, ge=8, description="Width granularity of formula buckets, in input pixels."
     )
+    merge_buckets: bool = Field(
+        True,
+        description="Top a batch up from other width buckets: decoding costs per batch, "
+        "not per padded pixel, so one fuller batch beats several small ones.",
+    )
     num_beams: int = Field(1, ge=1, le=16, description="1 is greedy decoding.")
+    decoder: Literal["auto", "static", "generate"] = Field(
+        "auto",
+        description="static: Texel's static-cache greedy decoder (CUDA graphs on GPUs); "
+        "generate: transformers' generate(); auto: static on GPUs where the model supports it.",
+    )
     max_new_tokens: int | None = Field(
         None, ge=1, description="Longest output; default from the model's generation config."
     )

@@ -24,11 +24,18 @@ class BatchPolicy:
 
     A bucket launches once it holds `max_batch_size` requests or its oldest
     request has waited `max_wait_s`; at most `max_queue` requests wait in all.
+
+    `merge_buckets` is for models whose batch cost is mostly per batch, not per
+    padded element (a launch-bound decoder): bucket keys are then numbers (a
+    padded width), a launching batch that has room is topped up from the nearest
+    other buckets, and the batch's bucket is the largest key in it. Buckets count
+    as full together once they hold `max_batch_size` requests between them.
     """
 
     max_batch_size: int = 8
     max_wait_s: float = 0.01
     max_queue: int = 256
+    merge_buckets: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -67,7 +74,7 @@ class Pending:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """A batch chosen by the policy: requests of one bucket, oldest first."""
+    """A batch chosen by the policy: requests of one bucket (or merged buckets), oldest first."""
 
     bucket: Hashable
     items: list[Pending]
@@ -130,9 +137,10 @@ class BucketQueue:
         items = self._buckets.get(bucket)
         if not items:
             return False
+        full = self._size if self.policy.merge_buckets else len(items)
         return (
             flush
-            or len(items) >= self.policy.max_batch_size
+            or full >= self.policy.max_batch_size
             or now - items[0].enqueued_at >= self.policy.max_wait_s
         )
 
@@ -147,12 +155,13 @@ class BucketQueue:
         if not ready:
             return None
         key = min(ready, key=lambda k: min(item.deadline for item in self._buckets[k]))
-        items = self._buckets[key]
-        take = [items.popleft() for _ in range(min(len(items), self.policy.max_batch_size))]
-        for item in take:
-            self._forget(item)
-        if not items:
-            del self._buckets[key]
+        take = self._take(key, self.policy.max_batch_size)
+        if self.policy.merge_buckets:
+            for other in sorted(self._buckets, key=lambda k: (abs(k - key), k)):
+                if len(take) == self.policy.max_batch_size:
+                    break
+                take += self._take(other, self.policy.max_batch_size - len(take))
+            key = max(item.bucket for item in take)
         return BatchPlan(bucket=key, items=take)
 
     def next_wakeup(self, include_wait: bool = True) -> float | None:
@@ -167,6 +176,16 @@ class BucketQueue:
                 times.append(items[0].enqueued_at + self.policy.max_wait_s)
             times.append(min(item.deadline for item in items))
         return min(times, default=None)
+
+    def _take(self, key: Hashable, count: int) -> list[Pending]:
+        """Pop up to `count` requests from one bucket, oldest first."""
+        items = self._buckets[key]
+        take = [items.popleft() for _ in range(min(len(items), count))]
+        for item in take:
+            self._forget(item)
+        if not items:
+            del self._buckets[key]
+        return take
 
     def _forget(self, item: Pending) -> None:
         self._size -= 1

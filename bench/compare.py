@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import append_records, commit, formula_images, machine
-from bench.load import LoadResult, Workload, closed_loop, open_loop
+from bench.load import LoadResult, Workload, closed_loop_processes, open_loop
 from bench.server import ROOT, ServerProcess, free_port
 
 
@@ -182,7 +182,9 @@ def sweep(args, server: str, url: str, workload: Workload, is_texel: bool) -> li
     records = []
     for concurrency in args.concurrency:
         before = scrape(url) if is_texel else {}
-        result = asyncio.run(closed_loop(url, workload, concurrency, args.duration, args.warmup))
+        result = closed_loop_processes(
+            url, workload, concurrency, args.duration, args.warmup, args.client_processes
+        )
         extra = texel_extras(before, scrape(url)) if is_texel else {}
         records.append(record(args, server, concurrency, result, **extra))
     for rate in args.rates if is_texel else []:
@@ -273,6 +275,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--max-batch-size", type=int, default=128)
     parser.add_argument("--max-wait-ms", type=float, default=10.0)
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="split each closed-loop client over this many processes (high loads)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.argv = sys.argv[1:]

@@ -6,6 +6,7 @@ Works against any endpoint: a `Workload` says how to build the i-th request.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import random
 import statistics
 import time
@@ -108,6 +109,43 @@ async def closed_loop(
         )
         result.duration_s = time.perf_counter() - started
         return result
+
+
+def closed_loop_processes(
+    url: str,
+    workload: Workload,
+    concurrency: int,
+    duration_s: float,
+    warmup_s: float = 2.0,
+    processes: int = 1,
+) -> LoadResult:
+    """`closed_loop` split over several client processes, for loads one Python client
+    cannot generate; latencies and statuses are pooled."""
+    processes = max(1, min(processes, concurrency))
+    if processes == 1:
+        return asyncio.run(closed_loop(url, workload, concurrency, duration_s, warmup_s))
+    context = multiprocessing.get_context("fork")  # the workload's closures are not picklable
+    results = context.Queue()
+    shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
+    children = [
+        context.Process(
+            target=lambda share=share: results.put(
+                asyncio.run(closed_loop(url, workload, share, duration_s, warmup_s))
+            )
+        )
+        for share in shares
+    ]
+    for child in children:
+        child.start()
+    parts = [results.get(timeout=duration_s + warmup_s + 300) for _ in children]
+    for child in children:
+        child.join()
+    pooled = LoadResult("closed", concurrency, max(part.duration_s for part in parts))
+    for part in parts:
+        pooled.latencies_s += part.latencies_s
+        pooled.statuses.update(part.statuses)
+        pooled.batch_sizes += part.batch_sizes
+    return pooled
 
 
 async def open_loop(

@@ -50,6 +50,28 @@ def test_requests_of_different_buckets_never_share_a_batch():
     assert all(len(p) == 1 for p in plans)
 
 
+def test_merged_buckets_top_a_batch_up_from_the_nearest_widths():
+    policy = BatchPolicy(max_batch_size=4, max_wait_s=0, max_queue=10, merge_buckets=True)
+    queue = BucketQueue(policy)
+    queue.push(pending(128, at=0.0, timeout=1, name="first"))
+    for width in (512, 64, 192, 1024):
+        queue.push(pending(width, at=0.5, name=str(width)))
+    plan = queue.next_batch(now=1.0)
+    assert [p.payload for p in plan.items] == ["first", "64", "192", "512"]
+    assert plan.bucket == 512  # the batch pads to its widest member
+    assert [p.payload for p in queue.next_batch(now=1.0).items] == ["1024"]
+
+
+def test_merged_buckets_are_full_together():
+    policy = BatchPolicy(max_batch_size=3, max_wait_s=60, max_queue=10, merge_buckets=True)
+    queue = BucketQueue(policy)
+    queue.push(pending(64, at=0.0))
+    queue.push(pending(128, at=0.0))
+    assert queue.next_batch(now=0.0) is None
+    queue.push(pending(192, at=0.0))
+    assert len(queue.next_batch(now=0.0)) == 3
+
+
 def test_among_ready_buckets_the_earliest_deadline_goes_first():
     queue = BucketQueue(BatchPolicy(max_batch_size=8, max_wait_s=0, max_queue=10))
     queue.push(pending("busy", at=1.0, timeout=10))
@@ -129,12 +151,13 @@ def test_retry_after_follows_the_observed_drain_rate():
     max_batch=st.integers(1, 6),
     max_wait=st.floats(0, 1),
     capacity=st.integers(1, 30),
+    merge=st.booleans(),
 )
 def test_every_accepted_request_leaves_exactly_once_in_a_valid_batch(
-    arrivals, max_batch, max_wait, capacity
+    arrivals, max_batch, max_wait, capacity, merge
 ):
     """Property: nothing is lost or duplicated; batches respect size and bucket."""
-    queue = BucketQueue(BatchPolicy(max_batch, max_wait, capacity))
+    queue = BucketQueue(BatchPolicy(max_batch, max_wait, capacity, merge_buckets=merge))
     accepted = []
     for i, (bucket, at, timeout) in enumerate(sorted(arrivals, key=lambda a: a[1])):
         item = Pending(payload=i, bucket=bucket, cost=1, enqueued_at=at, deadline=at + timeout)
@@ -151,7 +174,10 @@ def test_every_accepted_request_leaves_exactly_once_in_a_valid_batch(
         out.extend(expired)
         while (plan := queue.next_batch(now)) is not None:
             assert 1 <= len(plan) <= max_batch
-            assert {p.bucket for p in plan.items} == {plan.bucket}
+            if merge:
+                assert plan.bucket == max(p.bucket for p in plan.items)
+            else:
+                assert {p.bucket for p in plan.items} == {plan.bucket}
             out.extend(plan.items)
     assert sorted(p.payload for p in out) == sorted(p.payload for p in accepted)
     assert queue.queued_cost == 0

@@ -25,6 +25,7 @@ from transformers.utils import cached_file
 from transformers.utils import logging as transformers_logging
 
 from models.devices import model_name, out_of_memory_as_batching_error, resolve_dtype
+from models.formula.fast_decode import StaticGreedyDecoder
 from models.formula.preprocess import (
     FormulaImageSpec,
     bucket_width,
@@ -91,6 +92,8 @@ class FormulaRecognizer:
         num_beams: int = 1,
         max_new_tokens: int | None = None,
         max_pixels: int = 16_000_000,
+        decoder: str = "auto",
+        merge_buckets: bool = True,
     ) -> None:
         self.source = source
         self.name = model_name(source, name)
@@ -100,9 +103,12 @@ class FormulaRecognizer:
         self.num_beams = num_beams
         self.max_new_tokens = max_new_tokens
         self.max_pixels = max_pixels
+        self.decoder_setting = decoder
+        self.merge_setting = merge_buckets
         self.spec: FormulaImageSpec | None = None
         self.tokenizer = None
         self._models: dict[str, VisionEncoderDecoderModel] = {}
+        self._decoders: dict[str, StaticGreedyDecoder] = {}
         self._tokenizer_lock = threading.Lock()
 
     # -- lifecycle -----------------------------------------------------------
@@ -138,6 +144,8 @@ class FormulaRecognizer:
         )
         blank = np.full((spec.height, spec.width_multiple), 255, dtype=np.uint8)
         key = str(device)
+        if self._use_static_decoder(key):
+            self._decoders[key] = self._static_decoder(key, widths[-1], max_batch_size)
         for width in widths:
             self._generate(key, [FormulaInput(blank, width)], lambda: False, max_new_tokens=2)
         batch = [FormulaInput(blank, widths[0])] * max_batch_size
@@ -170,6 +178,16 @@ class FormulaRecognizer:
 
         return run
 
+    @property
+    def merge_buckets(self) -> bool:
+        """Merge width buckets only where every device decodes rows independently of
+        their padding (the static decoder); `generate()` would see the wider padding."""
+        return self.merge_setting and len(self._decoders) == len(self._models) > 0
+
+    def uses_static_decoder(self, device: torch.device) -> bool:
+        """Whether batches on `device` run Texel's static decoder (else `generate()`)."""
+        return str(device) in self._decoders
+
     def detokenize(self, tokens: FormulaTokens) -> str:
         """Token ids to normalized, space-separated LaTeX (the `tokenize` stage)."""
         with self._tokenizer_lock:  # fast tokenizers are not safe to share across threads
@@ -177,6 +195,37 @@ class FormulaRecognizer:
         return " ".join(text.split())
 
     # -- internals -----------------------------------------------------------
+
+    def _use_static_decoder(self, device: str) -> bool:
+        model = self._models[device]
+        if self.decoder_setting == "generate":
+            return False
+        usable = self.num_beams == 1 and StaticGreedyDecoder.supports(model)
+        if self.decoder_setting == "static":
+            if not usable:
+                raise ValueError(
+                    "decoder=static needs greedy decoding (num_beams=1) and a TrOCR decoder"
+                )
+            return True
+        return usable and model.device.type == "cuda"
+
+    def _static_decoder(self, device: str, widest: int, max_batch_size: int):
+        """A static-cache decoder sized for the widest bucket and the largest batch."""
+        model = self._models[device]
+        blank = pad_and_normalize(
+            [np.full((self._spec.height, widest), 255, dtype=np.uint8)], widest, self._spec
+        )
+        pixels = torch.from_numpy(blank).to(model.device, dtype=model.dtype)
+        with torch.inference_mode():
+            source_len = model.encoder(pixel_values=pixels).last_hidden_state.shape[1]
+        decoder = StaticGreedyDecoder(
+            model,
+            max_batch_size=max_batch_size,
+            max_new_tokens=self.max_new_tokens,
+            max_source_len=source_len,
+        )
+        decoder.warmup()  # captures every batch size's CUDA graph before readiness
+        return decoder
 
     @property
     def _spec(self) -> FormulaImageSpec:
@@ -187,25 +236,52 @@ class FormulaRecognizer:
     def _generate(
         self, device: str, batch: list[FormulaInput], should_stop, max_new_tokens: int | None = None
     ) -> list[FormulaTokens]:
-        model = self._models[device]
-        width = max(item.bucket for item in batch)
-        pixels = torch.from_numpy(pad_and_normalize([i.strip for i in batch], width, self._spec))
-        pixels = pixels.to(model.device, dtype=model.dtype, non_blocking=True)
+        decoder = self._decoders.get(device)
         started = time.perf_counter()
         with out_of_memory_as_batching_error(), torch.inference_mode():
-            output = model.generate(
-                pixel_values=pixels,
-                max_new_tokens=max_new_tokens or self.max_new_tokens,
-                num_beams=self.num_beams,
-                do_sample=False,
-                stopping_criteria=StoppingCriteriaList([_StopWhen(should_stop)]),
-            )
+            if decoder is not None and len(batch) <= decoder.max_batch_size:
+                ids = self._decode_static(decoder, batch, should_stop, max_new_tokens)
+            else:
+                ids = self._decode_generate(device, batch, should_stop, max_new_tokens)
         elapsed = time.perf_counter() - started
-        ids = output.tolist()
         special = set(self.tokenizer.all_special_ids)
         per_row = [[t for t in row if t not in special] for row in ids]
         longest = max((len(r) for r in per_row), default=1) or 1
         return [FormulaTokens(row, elapsed / longest) for row in per_row]
+
+    def _pixels(self, items: list[FormulaInput], device: str) -> torch.Tensor:
+        """Strips padded to their widest bucket, normalized, on the model's device."""
+        model = self._models[device]
+        width = max(item.bucket for item in items)
+        pixels = torch.from_numpy(pad_and_normalize([i.strip for i in items], width, self._spec))
+        return pixels.to(model.device, dtype=model.dtype, non_blocking=True)
+
+    def _decode_static(
+        self, decoder: StaticGreedyDecoder, batch, should_stop, max_new_tokens
+    ) -> list[list[int]]:
+        """Each bucket of a merged batch encoded at its own width, decoded together."""
+        device = str(decoder.device)
+        order = sorted(range(len(batch)), key=lambda i: batch[i].bucket)
+        groups: dict[int, list[FormulaInput]] = {}
+        for i in order:
+            groups.setdefault(batch[i].bucket, []).append(batch[i])
+        pixels = [self._pixels(items, device) for items in groups.values()]
+        output = decoder.decode(pixels, max_new_tokens=max_new_tokens, should_stop=should_stop)
+        rows = output.tolist()
+        ids: list[list[int]] = [[] for _ in batch]
+        for row, i in zip(rows, order, strict=True):
+            ids[i] = row
+        return ids
+
+    def _decode_generate(self, device: str, batch, should_stop, max_new_tokens) -> list[list[int]]:
+        output = self._models[device].generate(
+            pixel_values=self._pixels(batch, device),
+            max_new_tokens=max_new_tokens or self.max_new_tokens,
+            num_beams=self.num_beams,
+            do_sample=False,
+            stopping_criteria=StoppingCriteriaList([_StopWhen(should_stop)]),
+        )
+        return output.tolist()
 
 
 def compact_latex(latex: str) -> str:

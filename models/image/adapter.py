@@ -77,6 +77,7 @@ class ImageGenerator:
     """Adapter for text-to-image generation with a diffusers pipeline."""
 
     operation = "generate_content"
+    merge_buckets = False  # a batch needs one size and one step count
 
     def __init__(
         self,

@@ -1,0 +1,98 @@
+"""Does batching change answers? The same formulas decoded one at a time and in batches.
+
+    python -m bench.equivalence --images 500 --batch-size 128
+
+Batches are formed the way the server forms them under load (arrival order,
+widths merged and padded to the widest), through the served adapter on the
+default device. Also compares Texel's static decoder with transformers'
+`generate()` on the same batches where both are available. Prints one JSON line
+per comparison and appends them to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from bench.common import append_records, commit, formula_images
+from bench.server import ROOT
+from models.devices import resolve_devices
+from models.formula.adapter import FormulaRecognizer
+
+
+def decode_all(recognizer: FormulaRecognizer, device, items: list, batch_size: int) -> list[str]:
+    run = recognizer.runner(device)
+    texts: list[str] = []
+    for start in range(0, len(items), batch_size):
+        tokens = run(items[start : start + batch_size], lambda: False)
+        texts += [recognizer.detokenize(t) for t in tokens]
+    return texts
+
+
+def compare(name: str, left: list[str], right: list[str], **extra) -> dict:
+    same = sum(a == b for a, b in zip(left, right, strict=True))
+    return {"comparison": name, "images": len(left), "identical": same,
+            "identical_share": round(same / len(left), 4), **extra}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--model", default=str(ROOT / "models" / "formula" / "default"))
+    parser.add_argument("--images", type=int, default=500)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--decoder", default="auto", help="the served decoder setting")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    device = resolve_devices(args.device)[0]
+    images = formula_images(args.data, args.images)
+    recognizers = {}
+    for label, decoder in (("served", args.decoder), ("generate", "generate")):
+        recognizer = FormulaRecognizer(args.model, [device], decoder=decoder)
+        recognizer.load()
+        recognizer.warmup(device, args.batch_size)
+        recognizers[label] = recognizer
+    served = recognizers["served"]
+    items = [served.preprocess(image) for image in images]
+    base = {"gpu_or_cpu": str(device), "commit": commit(), "command": " ".join(sys.argv)}
+    results = {}
+    for label, recognizer, size in (
+        ("served, one at a time", served, 1),
+        ("served, batched", served, args.batch_size),
+        ("generate, batched", recognizers["generate"], args.batch_size),
+    ):
+        started = time.perf_counter()
+        results[label] = decode_all(recognizer, device, items, size)
+        print(f"{label}: {time.perf_counter() - started:.1f} s", flush=True)
+    static = served.uses_static_decoder(device)
+    records = [
+        compare(
+            "batched vs one at a time",
+            results["served, batched"],
+            results["served, one at a time"],
+            decoder="static" if static else "generate",
+            batch_size=args.batch_size,
+            **base,
+        ),  # fmt: skip
+        compare(
+            "static decoder vs generate (batched)",
+            results["served, batched"],
+            results["generate, batched"],
+            static_decoder_used=static,
+            batch_size=args.batch_size,
+            **base,
+        ),  # fmt: skip
+    ]
+    for record in records:
+        print(json.dumps(record), flush=True)
+    if args.out:
+        append_records(records, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,310 @@
+"""StaticGreedyDecoder must produce exactly the tokens of greedy `generate()` (CPU, fp32)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from models.formula.fast_decode import StaticGreedyDecoder
+from tests.conftest import ROOT, SHARED_DATA
+
+MAX_NEW_TOKENS = 24
+TINY_SOURCE_LEN = 128  # Swin on 32 x 256: 4 x 32 positions after one patch merge
+DEFAULT_MODEL = ROOT / "models" / "formula" / "default"
+VAL_IMAGES = SHARED_DATA / "im2latex-val" / "images"
+
+
+def _generate(model, pixels: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.generate(
+            pixel_values=pixels, num_beams=1, do_sample=False, max_new_tokens=max_new_tokens
+        )
+
+
+def _pixels(batch: int, width: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 1, 32, width, generator=generator)
+
+
+def _assert_same(model, pixels: torch.Tensor, max_new_tokens: int = MAX_NEW_TOKENS) -> None:
+    decoder = StaticGreedyDecoder(
+        model,
+        max_batch_size=6,
+        max_new_tokens=MAX_NEW_TOKENS,
+        max_source_len=TINY_SOURCE_LEN,
+    )
+    decoder.warmup()
+    expected = _generate(model, pixels, max_new_tokens)
+    got = decoder.decode(pixels, max_new_tokens=max_new_tokens)
+    assert got.dtype == torch.long and got.device.type == "cpu"
+    assert torch.equal(got, expected), f"\nstatic:   {got.tolist()}\ngenerate: {expected.tolist()}"
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from models.tiny import build_tiny_formula_model
+
+    return build_tiny_formula_model(tmp_path_factory.mktemp("tiny-formula"))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_model_dir):
+    from transformers import VisionEncoderDecoderModel
+
+    return VisionEncoderDecoderModel.from_pretrained(tiny_model_dir).eval()
+
+
+def _variant_model():
+    """Sinusoidal positions, scaled embeddings, no embedding LayerNorm, enc_to_dec_proj."""
+    from transformers import (
+        SwinConfig,
+        SwinModel,
+        TrOCRConfig,
+        TrOCRForCausalLM,
+        VisionEncoderDecoderModel,
+    )
+
+    torch.manual_seed(1)
+    encoder = SwinModel(
+        SwinConfig(
+            image_size=(32, 256),
+            num_channels=1,
+            patch_size=4,
+            embed_dim=16,
+            depths=[1, 1],
+            num_heads=[2, 2],
+            window_size=4,
+        )
+    )
+    decoder = TrOCRForCausalLM(
+        TrOCRConfig(
+            vocab_size=40,
+            d_model=24,
+            decoder_layers=2,
+            decoder_attention_heads=3,
+            decoder_ffn_dim=48,
+            max_position_embeddings=64,
+            activation_function="relu",
+            use_learned_position_embeddings=False,
+            scale_embedding=True,
+            layernorm_embedding=False,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+            decoder_start_token_id=2,
+        )
+    )
+    model = VisionEncoderDecoderModel(encoder=encoder, decoder=decoder).eval()
+    assert model.enc_to_dec_proj is not None
+    for config in (model.config, model.generation_config):
+        config.decoder_start_token_id = 2
+        config.pad_token_id = 1
+        config.eos_token_id = 2
+    return model
+
+
+def _force_eos(model, pixels: torch.Tensor) -> None:
+    """Make EOS win whenever one hidden feature is in its top quartile, so rows end at varied steps.
+
+    Random weights rarely emit EOS, and tiny random decoders ignore the image, so the
+    cross-attention is first re-drawn large. The feature and threshold come from an unbiased
+    run on `pixels`; the output projection becomes an untied copy with a strong
+    EOS row reading that feature.
+    """
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # small random cross-attention makes every row decode alike
+        for layer in model.decoder.model.decoder.layers:
+            cross = layer.encoder_attn
+            for linear in (cross.q_proj, cross.k_proj, cross.v_proj, cross.out_proj):
+                linear.weight.normal_(0.0, 1.0, generator=generator)
+    head = model.decoder.output_projection
+    seen: list[torch.Tensor] = []
+    hook = head.register_forward_hook(
+        lambda _m, args, _out: seen.append(args[0].reshape(-1, head.in_features))
+    )
+    _generate(model, pixels, MAX_NEW_TOKENS)
+    hook.remove()
+    hidden = torch.stack(seen[1:])  # [steps, rows, features]; step 0 is identical for all rows
+    feature = int(hidden.std(dim=1).mean(dim=0).argmax())  # the most row-dependent feature
+    threshold = float(hidden[:, :, feature].quantile(0.75))
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    biased.weight.data.copy_(head.weight.data)
+    biased.bias.data.zero_()
+    eos = model.generation_config.eos_token_id
+    biased.weight.data[eos] = 0.0
+    biased.weight.data[eos, feature] = 1000.0
+    biased.bias.data[eos] = -1000.0 * threshold
+    model.decoder.output_projection = biased
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a busy 2-core machine OpenMP spinning slows tiny ops 100x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("batch", "width"), [(1, 64), (3, 128), (5, 256), (5, 96)])
+def test_tiny_model_matches_generate(tiny_model, batch: int, width: int) -> None:
+    _assert_same(tiny_model, _pixels(batch, width, seed=batch * width))
+
+
+@pytest.mark.parametrize(("batch", "width"), [(1, 128), (3, 64), (5, 256)])
+def test_variant_model_matches_generate(batch: int, width: int) -> None:
+    _assert_same(_variant_model(), _pixels(batch, width, seed=batch + width))
+
+
+@pytest.mark.parametrize("variant", [False, True])
+def test_early_eos_pads_and_trims_like_generate(tiny_model, variant: bool) -> None:
+    import copy
+
+    model = _variant_model() if variant else copy.deepcopy(tiny_model)
+    _force_eos(model, _pixels(5, 256, seed=7))
+    eos, pad = model.generation_config.eos_token_id, model.generation_config.pad_token_id
+    tokens = _generate(model, _pixels(5, 256, seed=7), MAX_NEW_TOKENS)[:, 1:]
+    ends = {int((row == eos).nonzero()[0]) for row in tokens if (row == eos).any()}
+    assert len(ends) >= 2, f"rows should end at different steps: {tokens.tolist()}"
+    assert (tokens == pad).any(), "some row should be padded after its EOS"
+    for batch, width in [(1, 128), (3, 64), (5, 256), (5, 160)]:
+        _assert_same(model, _pixels(batch, width, seed=7 if batch == 5 else batch))
+    _assert_same(model, _pixels(5, 256, seed=7), max_new_tokens=5)
+
+
+def test_should_stop_ends_early_with_a_prefix_of_generate(tiny_model) -> None:
+    pixels = _pixels(3, 128, seed=3)
+    decoder = StaticGreedyDecoder(
+        tiny_model, max_batch_size=4, max_new_tokens=MAX_NEW_TOKENS, max_source_len=128
+    )
+    got = decoder.decode(pixels, should_stop=lambda: True)
+    expected = _generate(tiny_model, pixels, MAX_NEW_TOKENS)
+    assert got.shape[1] <= 9
+    assert torch.equal(got, expected[:, : got.shape[1]])
+
+
+def test_rejects_batches_and_sources_beyond_its_buffers(tiny_model) -> None:
+    decoder = StaticGreedyDecoder(tiny_model, max_batch_size=2, max_new_tokens=8, max_source_len=32)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        decoder.decode(_pixels(3, 64, seed=0))
+    with pytest.raises(ValueError, match="source length"):
+        decoder.decode(_pixels(1, 256, seed=0))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        decoder.decode(_pixels(1, 64, seed=0), max_new_tokens=9)
+
+
+def test_supports_only_trocr_decoders(tiny_model) -> None:
+    from transformers import (
+        BertConfig,
+        BertLMHeadModel,
+        SwinConfig,
+        SwinModel,
+        VisionEncoderDecoderModel,
+    )
+
+    assert StaticGreedyDecoder.supports(tiny_model)
+    assert not StaticGreedyDecoder.supports(object())
+    bert = BertLMHeadModel(
+        BertConfig(
+            vocab_size=30,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            is_decoder=True,
+            add_cross_attention=True,
+        )
+    )
+    swin = SwinModel(
+        SwinConfig(image_size=32, num_channels=1, embed_dim=8, depths=[1], num_heads=[2])
+    )
+    assert not StaticGreedyDecoder.supports(VisionEncoderDecoderModel(encoder=swin, decoder=bert))
+
+
+def _real_batch(model_dir: Path, count: int) -> torch.Tensor:
+    from models.formula.preprocess import (
+        FormulaImageSpec,
+        bucket_width,
+        decode_image,
+        pad_and_normalize,
+        prepare_strip,
+    )
+
+    spec = FormulaImageSpec.from_pretrained(model_dir, channels=1, fixed_size=False)
+    paths = sorted(VAL_IMAGES.glob("*.png"), key=lambda p: p.name)[:count]
+    strips = [prepare_strip(decode_image(p.read_bytes(), 16_000_000), spec) for p in paths]
+    width = max(bucket_width(s.shape[1], spec, 64) for s in strips)
+    return torch.from_numpy(pad_and_normalize(strips, width, spec))
+
+
+@pytest.mark.skipif(
+    not VAL_IMAGES.is_dir(), reason=f"real validation images not found at {VAL_IMAGES}"
+)
+def test_default_model_matches_generate_on_real_images() -> None:
+    from transformers import VisionEncoderDecoderModel
+
+    from models.formula.preprocess import FormulaImageSpec
+
+    model = VisionEncoderDecoderModel.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    pixels = _real_batch(DEFAULT_MODEL, 8)
+    spec = FormulaImageSpec.from_pretrained(DEFAULT_MODEL)
+    patch = model.config.encoder.patch_size
+    max_new_tokens = model.generation_config.max_new_tokens
+    decoder = StaticGreedyDecoder(
+        model,
+        max_batch_size=8,
+        max_new_tokens=max_new_tokens,
+        max_source_len=(spec.height // patch) * (spec.max_width // patch),
+    )
+    decoder.warmup()
+
+    started = time.perf_counter()
+    expected = _generate(model, pixels, max_new_tokens)
+    generate_s = time.perf_counter() - started
+    started = time.perf_counter()
+    got = decoder.decode(pixels)
+    static_s = time.perf_counter() - started
+    print(
+        f"\n8 real images, width {pixels.shape[-1]}, {expected.shape[1]} tokens: "
+        f"generate {generate_s:.3f} s, StaticGreedyDecoder {static_s:.3f} s (CPU)"
+    )
+    for row, (a, b) in enumerate(zip(got.tolist(), expected.tolist(), strict=True)):
+        assert a == b, f"row {row}:\nstatic:   {a}\ngenerate: {b}"
+    assert got.shape == expected.shape
+
+
+def test_merged_widths_decode_as_each_row_would_alone(tiny_model_dir) -> None:
+    """The served path: a batch mixing width buckets gives every row its solo tokens."""
+    from models.formula.adapter import FormulaInput, FormulaRecognizer
+
+    cpu = torch.device("cpu")
+    recognizer = FormulaRecognizer(str(tiny_model_dir), [cpu], decoder="static")
+    recognizer.load()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # large cross-attention, so tokens depend on the image and its padding
+        for layer in recognizer._models["cpu"].decoder.model.decoder.layers:
+            cross = layer.encoder_attn
+            for linear in (cross.q_proj, cross.k_proj, cross.v_proj, cross.out_proj):
+                linear.weight.normal_(0.0, 1.0, generator=generator)
+    recognizer.warmup(cpu, max_batch_size=4)
+    assert recognizer.uses_static_decoder(cpu) and recognizer.merge_buckets
+    rng = np.random.default_rng(0)
+    height = recognizer.spec.height
+    batch = [
+        FormulaInput(rng.integers(0, 256, (height, width), dtype=np.uint8), bucket)
+        for width, bucket in ((40, 64), (120, 128), (60, 64), (250, 256))
+    ]
+    run = recognizer.runner(cpu)
+    together = run(batch, lambda: False)
+    alone = [run([item], lambda: False)[0] for item in batch]
+    assert len({tuple(t.token_ids) for t in alone}) > 1, "rows must depend on their image"
+    assert [t.token_ids for t in together] == [t.token_ids for t in alone]
+
+    generate = FormulaRecognizer(str(tiny_model_dir), [cpu], decoder="generate")
+    generate.load()
+    generate.warmup(cpu, max_batch_size=4)
+    assert not generate.uses_static_decoder(cpu) and not generate.merge_buckets
