@@ -48,7 +48,9 @@ bench-cpu: install
 # Texel vs Texel without batching vs LitServe vs the bare model, on this machine's GPU.
 bench-gpu: install
 	$(VENV)/bin/pip install --quiet -e ".[dev,bench]"
-	$(PY) -m bench.compare --data $(DATA)
+	$(PY) -m bench.equivalence --data $(DATA) --images 500 --batch-size 128 --out bench/results/equivalence.jsonl
+	$(PY) -m bench.compare --data $(DATA) --concurrency 1,8,32,128,256 --duration 10 --warmup 2 \
+		--max-batch-size 128 --client-processes 4
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

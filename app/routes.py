@@ -44,7 +44,8 @@ def runtime_of(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
-def authorized(request: Request) -> None:
+async def authorized(request: Request) -> None:
+    # async: a plain `def` dependency costs every request a hop through a worker thread
     check_api_key(request, runtime_of(request).settings.api_keys)
 
 

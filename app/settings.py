@@ -49,7 +49,7 @@ class FormulaSettings(ModelSettings):
     decoder: Literal["auto", "static", "generate"] = Field(
         "auto",
         description="static: Texel's static-cache greedy decoder (CUDA graphs on GPUs); "
-        "generate: transformers' generate(); auto: static on GPUs where the model supports it.",
+        "generate: transformers' generate(); auto: static where the model supports it.",
     )
     max_new_tokens: int | None = Field(
         None, ge=1, description="Longest output; default from the model's generation config."

@@ -16,8 +16,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import functools
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -85,7 +88,10 @@ class LitServeProcess:
         args += ["--port", str(self.port), "--max-batch-size", str(max_batch_size)]
         args += ["--batch-timeout", str(batch_timeout)]
         with self.log.open("wb") as log:
-            self.process = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            # its own process group: LitServe's inference workers are children to stop too
+            self.process = subprocess.Popen(
+                args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -99,11 +105,11 @@ class LitServeProcess:
         raise TimeoutError("LitServe did not become healthy")
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
+        os.killpg(self.process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
 
 
 def model_only(
@@ -175,6 +181,7 @@ def record(args, server: str, concurrency, result: LoadResult | None, **extra) -
         )
     base.update(extra)
     print(json.dumps(base), flush=True)
+    append_records([base], args.out)  # as it comes: a run cut short keeps what it measured
     return base
 
 
@@ -284,10 +291,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.argv = sys.argv[1:]
+    slug = "".join(c if c.isalnum() else "-" for c in gpu_name().lower()).strip("-")
+    slug = slug.removeprefix("nvidia-")  # "NVIDIA H200" -> h200.jsonl
+    args.out = args.out or ROOT / "bench" / "results" / f"{slug[:40]}.jsonl"
     records = run(args)
-    slug = "".join(c if c.isalnum() else "-" for c in records[0]["gpu"].lower()).strip("-")
-    out = args.out or ROOT / "bench" / "results" / f"{slug[:40]}.jsonl"
-    append_records(records, out)
     print()
     print(table(records))
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from bench.common import append_records, commit, formula_images
+from bench.compare import gpu_name
 from bench.server import ROOT
 from models.devices import resolve_devices
 from models.formula.adapter import FormulaRecognizer
@@ -59,7 +60,13 @@ def main() -> None:
         recognizers[label] = recognizer
     served = recognizers["served"]
     items = [served.preprocess(image) for image in images]
-    base = {"gpu_or_cpu": str(device), "commit": commit(), "command": " ".join(sys.argv)}
+    base = {
+        "scenario": "formula-equivalence",
+        "device": str(device),
+        "gpu": gpu_name(),
+        "commit": commit(),
+        "command": "python -m bench.equivalence " + " ".join(sys.argv[1:]),
+    }
     results = {}
     for label, recognizer, size in (
         ("served, one at a time", served, 1),

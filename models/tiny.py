@@ -136,7 +136,7 @@ def build_tiny_formula_model(directory: str | Path, seed: int = 0) -> Path:
     return directory
 
 
-def _byte_level_vocab() -> dict[str, int]:
+def byte_level_vocab() -> dict[str, int]:
     """A character-level vocabulary in CLIP's byte-to-unicode alphabet (no merges)."""
     printable = list(range(ord("!"), ord("~") + 1))
     printable += list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -186,7 +186,7 @@ def build_tiny_image_pipeline(directory: str | Path, seed: int = 0) -> Path:
         norm_num_groups=8,
         sample_size=32,
     )
-    vocab = _byte_level_vocab()
+    vocab = byte_level_vocab()
     text_encoder = CLIPTextModel(
         CLIPTextConfig(
             vocab_size=len(vocab),

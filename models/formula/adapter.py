@@ -207,7 +207,7 @@ class FormulaRecognizer:
                     "decoder=static needs greedy decoding (num_beams=1) and a TrOCR decoder"
                 )
             return True
-        return usable and model.device.type == "cuda"
+        return usable
 
     def _static_decoder(self, device: str, widest: int, max_batch_size: int):
         """A static-cache decoder sized for the widest bucket and the largest batch."""

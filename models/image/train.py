@@ -543,7 +543,11 @@ def main(argv: list[str] | None = None) -> None:
 
     pipe = assemble(vae.float().cpu(), text_encoder.float().cpu(), tokenizer, unet.float().cpu())
     # fp16 on disk halves the download; loaders upcast to the serving dtype (fp32 on CPU).
-    pipe.to(torch.float16).save_pretrained(args.out, safe_serialization=True)
+    # The text encoder stays fp32: transformers loads a checkpoint in its saved dtype by
+    # default, diffusers in fp32, and a plain from_pretrained() must not mix the two.
+    pipe.to(torch.float16)
+    pipe.text_encoder.to(torch.float32)
+    pipe.save_pretrained(args.out, safe_serialization=True)
     # Keep the hand-built BPE files beside the tokenizer.json that save_pretrained writes.
     build_tokenizer(args.out / "tokenizer")
     write_defaults(args.out, args.steps, args.guidance)

@@ -1,0 +1,237 @@
+"""Image generation served by Texel against the raw pipeline, same GPU, same batch sizes.
+
+    python -m bench.compare_image --size sd15 --batch-sizes 1,4,8 --steps 20
+
+Speed does not need trained weights, so the pipeline is built from configs with
+random weights: `sd15` has Stable Diffusion 1.5's UNet, VAE and text-encoder
+shapes at 512x512 (860 M UNet parameters); `tiny` is a few-megabyte stand-in for
+trying the harness on a CPU. It is saved once (fp16) and served by Texel through
+the ordinary `TEXEL_IMAGE__MODEL` path. For each batch size B it records
+`raw` (one pipeline call of B prompts, best of a few) and `texel` at concurrency
+B with `MAX_BATCH_SIZE` = the largest B, plus `texel-nobatch` at the largest B,
+into `bench/results/<gpu>.jsonl` (scenario "image").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import append_records, commit
+from bench.compare import gpu_name
+from bench.load import Workload, closed_loop_processes
+from bench.server import ROOT, ServerProcess
+from models.tiny import byte_level_vocab
+
+PROMPTS = [
+    "a red circle on a blue background",
+    "two green squares on a white background",
+    "a yellow triangle and a purple circle on a black background",
+    "three orange circles on a gray background",
+]
+
+# Public Stable Diffusion 1.5 shapes (UNet, VAE, CLIP ViT-L/14 text encoder).
+SD15 = {
+    "unet": dict(
+        sample_size=64,
+        layers_per_block=2,
+        block_out_channels=(320, 640, 1280, 1280),
+        down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+        cross_attention_dim=768,
+        attention_head_dim=8,
+    ),
+    "vae": dict(
+        block_out_channels=(128, 256, 512, 512),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=2,
+        sample_size=512,
+    ),
+    "text": dict(
+        hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12
+    ),  # fmt: skip
+}
+TINY = {
+    "unet": dict(
+        sample_size=8,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=4,
+        norm_num_groups=8,
+    ),
+    "vae": dict(
+        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        layers_per_block=1,
+        norm_num_groups=8,
+        sample_size=16,
+    ),
+    "text": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+}
+
+
+def build_pipeline(directory: Path, shapes: dict, steps: int, guidance: float) -> Path:
+    """A StableDiffusionPipeline with random weights in the given shapes, saved in fp16."""
+    from diffusers import (
+        AutoencoderKL,
+        DPMSolverMultistepScheduler,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    torch.manual_seed(0)
+    vocab = byte_level_vocab()
+    start, end = vocab["<|startoftext|>"], vocab["<|endoftext|>"]
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(vocab),
+            max_position_embeddings=77,
+            bos_token_id=start,
+            eos_token_id=end,
+            pad_token_id=end,
+            **shapes["text"],
+        )  # fmt: skip
+    )
+    (directory / "tokenizer").mkdir(parents=True, exist_ok=True)
+    (directory / "tokenizer" / "vocab.json").write_text(json.dumps(vocab))
+    (directory / "tokenizer" / "merges.txt").write_text("#version: 0.2\n")
+    tokenizer = CLIPTokenizer(
+        str(directory / "tokenizer" / "vocab.json"),
+        str(directory / "tokenizer" / "merges.txt"),
+        model_max_length=77,
+    )
+    pipe = StableDiffusionPipeline(
+        vae=AutoencoderKL(latent_channels=4, **shapes["vae"]),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=UNet2DConditionModel(in_channels=4, out_channels=4, **shapes["unet"]),
+        scheduler=DPMSolverMultistepScheduler(beta_schedule="scaled_linear", steps_offset=1),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.to(torch.float16).save_pretrained(directory)
+    defaults = {"num_inference_steps": steps, "guidance_scale": guidance}
+    (directory / "texel.json").write_text(json.dumps(defaults))
+    return directory
+
+
+def raw_throughput(model: Path, batch_sizes: list[int], steps: int, guidance: float,
+                   repeats: int) -> dict[int, float]:  # fmt: skip
+    """Images/s of the pipeline itself: B prompts in one call, best of `repeats` calls."""
+    from diffusers import DiffusionPipeline
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    pipe = DiffusionPipeline.from_pretrained(
+        str(model), torch_dtype=torch.float16 if cuda else torch.float32
+    ).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    out = {}
+    for size in batch_sizes:
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(size)]
+        times = []
+        for repeat in range(repeats + 1):  # the first call warms up
+            generators = [torch.Generator(device).manual_seed(i) for i in range(size)]
+            if cuda:
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            pipe(prompts, num_inference_steps=steps, guidance_scale=guidance,
+                 generator=generators)  # fmt: skip
+            if cuda:
+                torch.cuda.synchronize()
+            if repeat:
+                times.append(time.perf_counter() - started)
+        out[size] = size / min(times)
+        print(json.dumps({"raw": size, "images_per_s": round(out[size], 3),
+                          "median_s": round(statistics.median(times), 3)}), flush=True)  # fmt: skip
+    del pipe
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def served(model: Path, concurrency: list[int], max_batch: int, args) -> list[tuple]:
+    workload = Workload(
+        "POST", "/generate", lambda i: {"json": {"prompt": PROMPTS[i % len(PROMPTS)], "seed": i}}
+    )
+    env = {
+        "TEXEL_FORMULA__ENABLED": "false",
+        "TEXEL_IMAGE__MODEL": str(model),
+        "TEXEL_IMAGE__MAX_BATCH_SIZE": str(max_batch),
+        "TEXEL_IMAGE__MAX_QUEUE": str(max(concurrency) * 4),
+        "TEXEL_REQUEST_TIMEOUT_S": "600",
+    }
+    proc = ServerProcess(env)
+    try:
+        return [
+            (level, closed_loop_processes(proc.url, workload, level, args.duration, args.warmup))
+            for level in concurrency
+        ]
+    finally:
+        proc.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=("sd15", "tiny"), default="sd15")
+    parser.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[1, 4, 8])  # fmt: skip
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--guidance", type=float, default=7.5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--warmup", type=float, default=5.0)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    slug = "".join(c if c.isalnum() else "-" for c in gpu_name().lower()).strip("-")
+    out = args.out or ROOT / "bench" / "results" / f"{slug.removeprefix('nvidia-')[:40]}.jsonl"
+    base = {"scenario": "image", "gpu": gpu_name(), "commit": commit(),
+            "command": "python -m bench.compare_image " + " ".join(sys.argv[1:]),
+            "model": f"{args.size} (random weights)", "steps": args.steps}  # fmt: skip
+    records = []
+    with tempfile.TemporaryDirectory(prefix="texel-sd-") as tmp:
+        model = build_pipeline(Path(tmp), SD15 if args.size == "sd15" else TINY,
+                               args.steps, args.guidance)  # fmt: skip
+        raw = raw_throughput(model, args.batch_sizes, args.steps, args.guidance, args.repeats)
+        largest = max(args.batch_sizes)
+        runs = [("texel", *run) for run in served(model, args.batch_sizes, largest, args)]
+        runs += [("texel-nobatch", *run) for run in served(model, [largest], 1, args)]
+        for size, rate in raw.items():
+            records.append({**base, "server": "raw", "concurrency": size,
+                            "throughput_rps": round(rate, 3)})  # fmt: skip
+        for server, level, result in runs:
+            summary = result.summary()
+            record = {**base, "server": server, "concurrency": level,
+                      **{k: summary[k] for k in ("throughput_rps", "p50_ms", "p95_ms", "p99_ms",
+                                                 "errors", "mean_batch_size")}}  # fmt: skip
+            if server == "texel" and level in raw:
+                record["share_of_raw"] = round(summary["throughput_rps"] / raw[level], 3)
+            records.append(record)
+            print(json.dumps(record), flush=True)
+    append_records(records, out)
+    print(f"\n{base['gpu']}; commit {base['commit']}; {args.size}, {args.steps} steps\n")
+    print("| server | concurrency | images/s | p50 ms | p99 ms | batch | share of raw |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in records:
+        print(f"| {r['server']} | {r['concurrency']} | {r['throughput_rps']} "
+              f"| {r.get('p50_ms', '-')} | {r.get('p99_ms', '-')} "
+              f"| {r.get('mean_batch_size') or '-'} | {r.get('share_of_raw', '-')} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
