@@ -220,6 +220,30 @@ async def test_several_workers_run_batches_in_parallel():
     await batcher.close()
 
 
+async def test_while_one_gpu_runs_a_long_batch_the_free_one_takes_the_queue():
+    """Workers pull: a device busy with expensive work accumulates nothing, whatever the
+    request count, so no per-device cost prediction is needed to balance them."""
+
+    class SlowOnWide(FakeModel):
+        def __call__(self, payloads, should_stop):
+            self.delay_s = 0.6 if "wide" in payloads else 0.02
+            return super().__call__(payloads, should_stop)
+
+    models = [SlowOnWide(), SlowOnWide()]
+    batcher = Batcher(
+        "fake",
+        [Worker("gpu0", models[0]), Worker("gpu1", models[1])],
+        BatchPolicy(max_batch_size=1, max_wait_s=0, max_queue=16),
+    )
+    batcher.start()
+    wide = asyncio.ensure_future(batcher.submit("wide", bucket="w", timeout_s=5))
+    await asyncio.sleep(0.05)  # the wide batch is running on one of them
+    narrow = await asyncio.gather(*(batcher.submit("n", bucket="n", timeout_s=5) for _ in range(8)))
+    busy = (await wide).worker
+    assert {r.worker for r in narrow} == {"gpu0", "gpu1"} - {busy}
+    await batcher.close()
+
+
 async def test_the_scheduler_sleeps_while_every_worker_is_busy():
     """Ready buckets with no idle worker must not spin the event loop (it starves compute)."""
     model = FakeModel(delay_s=0.6)
