@@ -339,11 +339,13 @@ def train_denoiser(
     seed: int,
     prompt_dropout: float = 0.1,
     ema_decay: float = 0.999,
+    unet: UNet2DConditionModel | None = None,
 ) -> tuple[UNet2DConditionModel, CLIPTextModel, list[float]]:
-    """UNet and text encoder trained together; returns their moving averages."""
+    """UNet and text encoder trained together (from `unet`, else from scratch);
+    returns their moving averages."""
     device = latents.device
     torch.manual_seed(seed)
-    unet = build_unet(latents.shape[-1]).to(device).train()
+    unet = (unet or build_unet(latents.shape[-1])).to(device).train()
     text_encoder = text_encoder.to(device).train()
     noise_scheduler = DDPMScheduler(**NOISE_SCHEDULE)
     alphas = noise_scheduler.alphas_cumprod.to(device)
@@ -449,6 +451,13 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="start from a trained VAE (a pipeline's vae/ folder)",
     )
+    parser.add_argument(
+        "--denoiser-from",
+        type=Path,
+        default=None,
+        help="continue the UNet and text encoder of a saved pipeline (needs --vae-from "
+        "its vae/ and --vae-steps 0, so the latent space stays the one they learnt)",
+    )
     parser.add_argument("--unet-steps", type=int, default=6000)
     parser.add_argument("--unet-batch", type=int, default=1024)
     parser.add_argument("--unet-lr", type=float, default=1e-3)
@@ -470,6 +479,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.denoiser_from and (args.vae_from is None or args.vae_steps != 0):
+        parser.error("--denoiser-from needs --vae-from <its vae/> and --vae-steps 0")
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -516,8 +527,11 @@ def main(argv: list[str] | None = None) -> None:
     reconstruction = reconstruction_adherence(vae, device)
     log.info("judge on VAE reconstructions: %s", reconstruction)
     raw = encode_latents(vae, pixels)
-    scaling = 1.0 / raw.std().item()
-    vae.register_to_config(scaling_factor=scaling)
+    if args.denoiser_from:  # the UNet learnt latents at the scale its VAE was saved with
+        scaling = float(vae.config.scaling_factor)
+    else:
+        scaling = 1.0 / raw.std().item()
+        vae.register_to_config(scaling_factor=scaling)
     latents = raw * scaling
     log.info(
         "latents %s, mean %.3f, scaling factor %.4f",
@@ -527,12 +541,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     del pixels
 
+    unet, text_encoder = None, build_text_encoder(tokenizer)
+    if args.denoiser_from:
+        unet = UNet2DConditionModel.from_pretrained(
+            args.denoiser_from / "unet", torch_dtype=torch.float32
+        )
+        text_encoder = CLIPTextModel.from_pretrained(
+            args.denoiser_from / "text_encoder", dtype=torch.float32
+        )
     started = time.perf_counter()
     unet, text_encoder, unet_losses = train_denoiser(
         latents,
         input_ids,
         empty_ids,
-        build_text_encoder(tokenizer),
+        text_encoder,
+        unet=unet,
         steps=args.unet_steps,
         batch=args.unet_batch,
         lr=args.unet_lr,
