@@ -30,12 +30,20 @@ class BatchPolicy:
     padded width), a launching batch that has room is topped up from the nearest
     other buckets, and the batch's bucket is the largest key in it. Buckets count
     as full together once they hold `max_batch_size` requests between them.
+
+    `max_linger_s` lets a bucket wait past `max_wait_s` while requests keep
+    arriving (each within `max_wait_s` of the one before), up to `max_wait_s +
+    max_linger_s` in all. Under closed-loop load the answers of one batch return
+    together and their next requests trickle in over a few milliseconds; without
+    lingering, the first arrivals launch a half batch and two half-size cohorts
+    alternate from then on. Once arrivals pause, a bucket launches as before.
     """
 
     max_batch_size: int = 8
     max_wait_s: float = 0.01
     max_queue: int = 256
     merge_buckets: bool = False
+    max_linger_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -44,6 +52,8 @@ class BatchPolicy:
             raise ValueError("max_wait_s must not be negative")
         if self.max_queue < 1:
             raise ValueError("max_queue must be at least 1")
+        if self.max_linger_s < 0:
+            raise ValueError("max_linger_s must not be negative")
 
 
 class State(enum.Enum):
@@ -91,6 +101,7 @@ class BucketQueue:
         self._buckets: OrderedDict[Hashable, deque[Pending]] = OrderedDict()
         self._size = 0
         self._cost = 0.0
+        self._last_arrival = float("-inf")
 
     def __len__(self) -> int:
         return self._size
@@ -112,6 +123,7 @@ class BucketQueue:
         if self._size >= self.policy.max_queue:
             raise QueueFull(self._size, retry_after_s)
         self._buckets.setdefault(item.bucket, deque()).append(item)
+        self._last_arrival = max(self._last_arrival, item.enqueued_at)
         self._size += 1
         self._cost += item.cost
 
@@ -137,11 +149,17 @@ class BucketQueue:
         items = self._buckets.get(bucket)
         if not items:
             return False
-        full = self._size if self.policy.merge_buckets else len(items)
+        policy = self.policy
+        queued = self._size if policy.merge_buckets else len(items)
+        if flush or queued >= policy.max_batch_size:
+            return True
+        # The same sums as next_wakeup(), so a scheduler woken then finds the bucket ready.
+        oldest = items[0].enqueued_at
+        if now < oldest + policy.max_wait_s:
+            return False
         return (
-            flush
-            or full >= self.policy.max_batch_size
-            or now - items[0].enqueued_at >= self.policy.max_wait_s
+            now >= oldest + policy.max_wait_s + policy.max_linger_s
+            or now >= self._latest_arrival(items) + policy.max_wait_s  # arrivals paused
         )
 
     def next_batch(self, now: float, flush: bool = False) -> BatchPlan | None:
@@ -170,12 +188,20 @@ class BucketQueue:
         Without `include_wait` only deadlines count: a scheduler with no idle worker
         cannot launch a ready bucket anyway, and must not spin on one.
         """
+        policy = self.policy
         times = []
         for items in self._buckets.values():
             if include_wait:
-                times.append(items[0].enqueued_at + self.policy.max_wait_s)
+                oldest = items[0].enqueued_at
+                pause = self._latest_arrival(items) + policy.max_wait_s
+                cap = oldest + policy.max_wait_s + policy.max_linger_s
+                times.append(max(oldest + policy.max_wait_s, min(pause, cap)))
             times.append(min(item.deadline for item in items))
         return min(times, default=None)
+
+    def _latest_arrival(self, items: deque[Pending]) -> float:
+        """When the newest request that could join this bucket's batch arrived."""
+        return self._last_arrival if self.policy.merge_buckets else items[-1].enqueued_at
 
     def _take(self, key: Hashable, count: int) -> list[Pending]:
         """Pop up to `count` requests from one bucket, oldest first."""

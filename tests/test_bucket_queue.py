@@ -72,6 +72,36 @@ def test_merged_buckets_are_full_together():
     assert len(queue.next_batch(now=0.0)) == 3
 
 
+def test_a_bucket_lingers_while_requests_keep_arriving_and_launches_when_they_pause():
+    policy = BatchPolicy(max_batch_size=8, max_wait_s=0.01, max_queue=10, max_linger_s=0.04)
+    queue = BucketQueue(policy)
+    for at in (0.0, 0.006, 0.012):
+        queue.push(pending(64, at=at))
+    assert queue.next_batch(now=0.015) is None  # waited 15 ms, but the last came 3 ms ago
+    wakeup = queue.next_wakeup()
+    assert wakeup == pytest.approx(0.022)  # 10 ms after the last arrival
+    plan = queue.next_batch(now=wakeup)  # arrivals paused for max_wait: launch
+    assert plan is not None and len(plan) == 3
+
+
+def test_lingering_ends_at_max_wait_plus_max_linger_however_busy():
+    policy = BatchPolicy(max_batch_size=100, max_wait_s=0.01, max_queue=100, max_linger_s=0.04)
+    queue = BucketQueue(policy)
+    for i in range(60):
+        queue.push(pending(64, at=i * 0.001))  # one every millisecond
+    assert queue.next_batch(now=0.049) is None
+    wakeup = queue.next_wakeup()
+    assert wakeup == pytest.approx(0.05)
+    assert len(queue.next_batch(now=wakeup)) == 60
+
+
+def test_without_lingering_the_oldest_request_waits_max_wait_only():
+    queue = BucketQueue(BatchPolicy(max_batch_size=8, max_wait_s=0.01, max_queue=10))
+    queue.push(pending(64, at=0.0))
+    queue.push(pending(64, at=0.009))
+    assert len(queue.next_batch(now=0.01)) == 2
+
+
 def test_among_ready_buckets_the_earliest_deadline_goes_first():
     queue = BucketQueue(BatchPolicy(max_batch_size=8, max_wait_s=0, max_queue=10))
     queue.push(pending("busy", at=1.0, timeout=10))
@@ -152,12 +182,14 @@ def test_retry_after_follows_the_observed_drain_rate():
     max_wait=st.floats(0, 1),
     capacity=st.integers(1, 30),
     merge=st.booleans(),
+    linger=st.sampled_from([0.0, 0.05, 1.0]),
 )
 def test_every_accepted_request_leaves_exactly_once_in_a_valid_batch(
-    arrivals, max_batch, max_wait, capacity, merge
+    arrivals, max_batch, max_wait, capacity, merge, linger
 ):
     """Property: nothing is lost or duplicated; batches respect size and bucket."""
-    queue = BucketQueue(BatchPolicy(max_batch, max_wait, capacity, merge_buckets=merge))
+    policy = BatchPolicy(max_batch, max_wait, capacity, merge_buckets=merge, max_linger_s=linger)
+    queue = BucketQueue(policy)
     accepted = []
     for i, (bucket, at, timeout) in enumerate(sorted(arrivals, key=lambda a: a[1])):
         item = Pending(payload=i, bucket=bucket, cost=1, enqueued_at=at, deadline=at + timeout)
