@@ -42,6 +42,12 @@ def gpu_name() -> str:
     return f"no GPU ({machine()})"
 
 
+def gpu_results_file() -> Path:
+    """`bench/results/<gpu>.jsonl`: "NVIDIA H200" -> h200.jsonl."""
+    slug = "".join(c if c.isalnum() else "-" for c in gpu_name().lower()).strip("-")
+    return ROOT / "bench" / "results" / f"{slug.removeprefix('nvidia-')[:40]}.jsonl"
+
+
 def json_workload(path: str, images: list[bytes]) -> Workload:
     bodies = [{"image_base64": base64.b64encode(image).decode()} for image in images]
     return Workload("POST", path, lambda i: {"json": bodies[i % len(bodies)]})
@@ -291,9 +297,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.argv = sys.argv[1:]
-    slug = "".join(c if c.isalnum() else "-" for c in gpu_name().lower()).strip("-")
-    slug = slug.removeprefix("nvidia-")  # "NVIDIA H200" -> h200.jsonl
-    args.out = args.out or ROOT / "bench" / "results" / f"{slug[:40]}.jsonl"
+    args.out = args.out or gpu_results_file()
     records = run(args)
     print()
     print(table(records))

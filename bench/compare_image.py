@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from bench.common import append_records, commit
-from bench.compare import gpu_name
+from bench.compare import gpu_name, gpu_results_file
 from bench.load import Workload, closed_loop_processes
-from bench.server import ROOT, ServerProcess
+from bench.server import ServerProcess
 from models.tiny import byte_level_vocab
 
 PROMPTS = [
@@ -198,8 +198,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    slug = "".join(c if c.isalnum() else "-" for c in gpu_name().lower()).strip("-")
-    out = args.out or ROOT / "bench" / "results" / f"{slug.removeprefix('nvidia-')[:40]}.jsonl"
+    out = args.out or gpu_results_file()
     base = {"scenario": "image", "gpu": gpu_name(), "commit": commit(),
             "command": "python -m bench.compare_image " + " ".join(sys.argv[1:]),
             "model": f"{args.size} (random weights)", "steps": args.steps}  # fmt: skip

@@ -212,10 +212,8 @@ class FormulaRecognizer:
     def _static_decoder(self, device: str, widest: int, max_batch_size: int):
         """A static-cache decoder sized for the widest bucket and the largest batch."""
         model = self._models[device]
-        blank = pad_and_normalize(
-            [np.full((self._spec.height, widest), 255, dtype=np.uint8)], widest, self._spec
-        )
-        pixels = torch.from_numpy(blank).to(model.device, dtype=model.dtype)
+        blank = np.full((self._spec.height, widest), 255, dtype=np.uint8)
+        pixels = self._pixels([FormulaInput(blank, widest)], device)
         with torch.inference_mode():
             source_len = model.encoder(pixel_values=pixels).last_hidden_state.shape[1]
         decoder = StaticGreedyDecoder(

@@ -283,14 +283,13 @@ class StaticGreedyDecoder:
             hidden = decoder.layernorm_embedding(hidden)
         return hidden
 
-    def _layer(self, i: int, layer: nn.Module, hidden: torch.Tensor, bucket: int) -> torch.Tensor:
+    def _layer(
+        self, i: int, layer: nn.Module, hidden: torch.Tensor, bucket: int, self_mask: torch.Tensor
+    ) -> torch.Tensor:
         """One post-LN TrOCR decoder layer for a single new position."""
         attn = layer.self_attn
         self.self_k[i, :bucket].index_copy_(2, self.step_index, self._heads(attn.k_proj(hidden)))
         self.self_v[i, :bucket].index_copy_(2, self.step_index, self._heads(attn.v_proj(hidden)))
-        self_mask = torch.zeros_like(self.cache_positions, dtype=self.dtype).masked_fill_(
-            self.cache_positions > self.step_index, self.neg
-        )[None]
         out = F.scaled_dot_product_attention(
             self._heads(attn.q_proj(hidden) * self.scaling),
             self.self_k[i, :bucket],
@@ -317,8 +316,12 @@ class StaticGreedyDecoder:
         """Feed the current tokens, pick the next ones greedily, advance the step index."""
         tokens = self.tokens[:bucket]
         hidden = self._embed(tokens)
+        # Cache positions after the current step are masked out; one mask for every layer.
+        self_mask = torch.zeros_like(self.cache_positions, dtype=self.dtype).masked_fill_(
+            self.cache_positions > self.step_index, self.neg
+        )[None]
         for i, layer in enumerate(self.decoder.layers):
-            hidden = self._layer(i, layer, hidden, bucket)
+            hidden = self._layer(i, layer, hidden, bucket, self_mask)
         logits = self.lm_head(hidden[:, 0]).float()
         finished = self.finished[:bucket]
         chosen = torch.where(finished, self.pad_id, logits.argmax(dim=-1))
