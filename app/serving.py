@@ -199,12 +199,13 @@ class Runtime:
 
 
 def _build_models(settings: Settings) -> dict[str, ServedModel]:
-    from models.formula.adapter import FormulaRecognizer
-    from models.image.adapter import ImageGenerator
-
+    # Each model family imports its libraries only when enabled: a formula-only
+    # replica never imports diffusers.
     devices = resolve_devices(settings.device)
     served: dict[str, ServedModel] = {}
     if settings.formula.enabled:
+        from models.formula.adapter import FormulaRecognizer
+
         f = settings.formula
         adapter = FormulaRecognizer(
             f.model,
@@ -220,6 +221,8 @@ def _build_models(settings: Settings) -> dict[str, ServedModel]:
         )
         served["formula"] = ServedModel("formula", adapter, f, settings.request_timeout_s)
     if settings.image.enabled:
+        from models.image.adapter import ImageGenerator
+
         i = settings.image
         adapter = ImageGenerator(
             i.model,

@@ -215,12 +215,17 @@ def run(args) -> list[dict]:
     for server in args.servers:
         if server in ("texel", "texel-nobatch"):
             batch = args.max_batch_size if server == "texel" else 1
-            proc = ServerProcess({**env, "TEXEL_FORMULA__MAX_BATCH_SIZE": str(batch)})
+            profile = args.profile_loop if server == "texel" else None
+            proc = ServerProcess(
+                {**env, "TEXEL_FORMULA__MAX_BATCH_SIZE": str(batch)}, profile=profile
+            )
             try:
                 workload = json_workload("/recognize", images)
                 records += sweep(args, server, proc.url, workload, is_texel=True)
             finally:
-                proc.stop()
+                # uvicorn re-raises the stop signal once drained: SIGINT becomes a
+                # KeyboardInterrupt, which lets cProfile write its stats; SIGTERM would not
+                proc.stop(signal.SIGINT if profile else signal.SIGTERM)
         elif server == "litserve":
             lit = LitServeProcess(args.model, args.max_batch_size, args.max_wait_ms / 1000)
             try:
@@ -295,6 +300,13 @@ def main() -> None:
         help="split each closed-loop client over this many processes (high loads)",
     )
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--profile-loop",
+        type=Path,
+        default=None,
+        help="run `texel` under cProfile and write the event loop's stats here "
+        "(read with `python -m pstats`); its figures are slowed by the profiler",
+    )
     args = parser.parse_args()
     args.argv = sys.argv[1:]
     args.out = args.out or gpu_results_file()

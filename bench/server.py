@@ -24,16 +24,22 @@ def free_port() -> int:
 class ServerProcess:
     """`texel serve` in a subprocess on a free port, with the environment given."""
 
-    def __init__(self, env: dict[str, str], wait_ready: bool = True) -> None:
+    def __init__(
+        self, env: dict[str, str], wait_ready: bool = True, profile: Path | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"texel-test-{self.port}.log"
         full_env = {**os.environ, "OTEL_SDK_DISABLED": "false", **env}
         full_env.setdefault("TEXEL_LOG_FORMAT", "text")
         self._log = self.log_path.open("wb")
+        # `profile`: run under cProfile, whose stats cover the main thread, where
+        # uvicorn's event loop runs; written when the server exits.
+        profiler = ["-m", "cProfile", "-o", str(profile)] if profile else []
         self.process = subprocess.Popen(
             [
                 sys.executable,
+                *profiler,
                 "-m",
                 "app.cli",
                 "serve",
