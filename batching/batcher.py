@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -125,6 +126,9 @@ class Batcher:
         self._queue = BucketQueue(policy)
         self._drain_rate = DrainRate()
         self._idle: list[Worker] = list(reversed(self._workers))
+        # When each idle worker became free: a bucket's wait counts from then at the
+        # earliest (BatchPolicy). Never busy yet: free since forever.
+        self._free_since: dict[str, float] = {w.name: -math.inf for w in self._workers}
         self._executors: dict[str, Executor] = {}
         self._owned: list[ThreadPoolExecutor] = []
         for w in self._workers:
@@ -275,7 +279,7 @@ class Batcher:
             except Exception:  # a bug here must not silently stall every request
                 log.exception("batcher %s: scheduling step failed", self.name)
             # With every worker busy only deadlines matter: a finishing batch wakes us.
-            wakeup = self._queue.next_wakeup(include_wait=bool(self._idle))
+            wakeup = self._queue.next_wakeup(bool(self._idle), self._idle_since())
             timeout = None if wakeup is None else max(0.0, wakeup - self._clock())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
@@ -286,13 +290,17 @@ class Batcher:
         for item in self._queue.expire(now):
             self._fail(item, DeadlineExceeded("the request waited past its deadline"), "deadline")
         while self._idle:
-            plan = self._queue.next_batch(now, flush=self._draining)
+            plan = self._queue.next_batch(now, self._draining, self._idle_since())
             if plan is None:
                 break
             self._launch(self._idle.pop(), plan)
         self._observer.queue_depth(self.name, len(self._queue))
         if not self._queue and not self._inflight:
             self._idle_event.set()
+
+    def _idle_since(self) -> float:
+        """Since when the longest-idle worker has been free (+inf with none idle)."""
+        return min((self._free_since[w.name] for w in self._idle), default=math.inf)
 
     def _launch(self, worker: Worker, plan: BatchPlan) -> None:
         self._idle_event.clear()
@@ -317,6 +325,7 @@ class Batcher:
             if not item.future.done():
                 item.future.set_result(outcome)
         self._inflight -= 1
+        self._free_since[worker.name] = self._clock()
         self._idle.append(worker)
         self._wake()
 

@@ -24,6 +24,12 @@ class BatchPolicy:
 
     A bucket launches once it holds `max_batch_size` requests or its oldest
     request has waited `max_wait_s`; at most `max_queue` requests wait in all.
+    The wait counts from when a request could first have run: its arrival, or,
+    if every worker was busy then, the moment one became free. Under load a
+    batch's answers go back together and their clients' next requests arrive
+    over the next milliseconds; counting from the free worker lets them join the
+    requests already waiting, where counting from arrival would launch those at
+    once and leave two half-size cohorts alternating on the device for good.
 
     `merge_buckets` is for models whose batch cost is mostly per batch, not per
     padded element (a launch-bound decoder): bucket keys are then numbers (a
@@ -145,31 +151,36 @@ class BucketQueue:
             self.remove(item)
         return expired
 
-    def is_ready(self, bucket: Hashable, now: float, flush: bool = False) -> bool:
+    def is_ready(
+        self, bucket: Hashable, now: float, flush: bool = False, free_since: float = -math.inf
+    ) -> bool:
+        """Whether `bucket` launches now; `free_since`: since when a worker has been idle."""
         items = self._buckets.get(bucket)
         if not items:
             return False
-        policy = self.policy
-        queued = self._size if policy.merge_buckets else len(items)
-        if flush or queued >= policy.max_batch_size:
+        queued = self._size if self.policy.merge_buckets else len(items)
+        if flush or queued >= self.policy.max_batch_size:
             return True
-        # The same sums as next_wakeup(), so a scheduler woken then finds the bucket ready.
-        oldest = items[0].enqueued_at
-        if now < oldest + policy.max_wait_s:
-            return False
-        return (
-            now >= oldest + policy.max_wait_s + policy.max_linger_s
-            or now >= self._latest_arrival(items) + policy.max_wait_s  # arrivals paused
-        )
+        return now >= self._launch_time(items, free_since)
 
-    def next_batch(self, now: float, flush: bool = False) -> BatchPlan | None:
+    def _launch_time(self, items: deque[Pending], free_since: float) -> float:
+        """When a bucket that does not fill up launches (is_ready and next_wakeup agree)."""
+        policy = self.policy
+        start = max(items[0].enqueued_at, free_since)
+        paused = max(self._latest_arrival(items), free_since) + policy.max_wait_s
+        cap = start + policy.max_wait_s + policy.max_linger_s
+        return max(start + policy.max_wait_s, min(paused, cap))
+
+    def next_batch(
+        self, now: float, flush: bool = False, free_since: float = -math.inf
+    ) -> BatchPlan | None:
         """Pop the next batch, or None if no bucket is ready.
 
         Among ready buckets the one holding the earliest deadline goes first, so
         a rare shape is not starved by a busy one. `flush` (used while draining)
         makes every non-empty bucket ready.
         """
-        ready = [key for key in self._buckets if self.is_ready(key, now, flush)]
+        ready = [key for key in self._buckets if self.is_ready(key, now, flush, free_since)]
         if not ready:
             return None
         key = min(ready, key=lambda k: min(item.deadline for item in self._buckets[k]))
@@ -182,20 +193,16 @@ class BucketQueue:
             key = max(item.bucket for item in take)
         return BatchPlan(bucket=key, items=take)
 
-    def next_wakeup(self, include_wait: bool = True) -> float | None:
+    def next_wakeup(self, include_wait: bool = True, free_since: float = -math.inf) -> float | None:
         """The earliest time at which a bucket's wait runs out or a deadline passes.
 
         Without `include_wait` only deadlines count: a scheduler with no idle worker
         cannot launch a ready bucket anyway, and must not spin on one.
         """
-        policy = self.policy
         times = []
         for items in self._buckets.values():
             if include_wait:
-                oldest = items[0].enqueued_at
-                pause = self._latest_arrival(items) + policy.max_wait_s
-                cap = oldest + policy.max_wait_s + policy.max_linger_s
-                times.append(max(oldest + policy.max_wait_s, min(pause, cap)))
+                times.append(self._launch_time(items, free_since))
             times.append(min(item.deadline for item in items))
         return min(times, default=None)
 

@@ -47,7 +47,7 @@ async def run(policy: BatchPolicy, args) -> dict:
 
     async def client(i: int) -> None:
         nonlocal done
-        await asyncio.sleep(rng.uniform(0, high))
+        await asyncio.sleep(rng.uniform(0, args.ramp_ms / 1000 if args.ramp_ms else high))
         while time.monotonic() < stop_at:
             await batcher.submit(i, bucket=rng.choice(args.buckets), timeout_s=60)
             if time.monotonic() >= measure_from:
@@ -76,6 +76,13 @@ def main() -> None:
                         default=[0.0])  # fmt: skip
     parser.add_argument("--buckets", type=lambda s: [int(x) for x in s.split(",")],
                         default=[256, 320, 384, 448])  # fmt: skip
+    parser.add_argument(
+        "--ramp-ms",
+        type=float,
+        default=0.0,
+        help="clients start spread over this long (0: over one return time); a load "
+        "generator's processes starting apart split the clients from the first batch",
+    )
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=2.0)
     args = parser.parse_args()

@@ -102,6 +102,29 @@ def test_without_lingering_the_oldest_request_waits_max_wait_only():
     assert len(queue.next_batch(now=0.01)) == 2
 
 
+def test_the_wait_counts_from_when_a_worker_became_free():
+    """Requests queued behind a busy device wait for company from the moment it frees."""
+    policy = BatchPolicy(max_batch_size=8, max_wait_s=0.01, max_queue=10, max_linger_s=0.04)
+    queue = BucketQueue(policy)
+    for _ in range(4):
+        queue.push(pending(64, at=0.0))  # queued while the device was busy
+    assert queue.next_batch(now=1.0, free_since=1.0) is None  # it just became free
+    assert queue.next_wakeup(free_since=1.0) == pytest.approx(1.01)
+    queue.push(pending(64, at=1.004))  # the last batch's clients come back
+    queue.push(pending(64, at=1.008))
+    assert queue.next_batch(now=1.01, free_since=1.0) is None  # still arriving: linger
+    assert queue.next_wakeup(free_since=1.0) == pytest.approx(1.018)
+    plan = queue.next_batch(now=1.018, free_since=1.0)
+    assert plan is not None and len(plan) == 6
+
+
+def test_a_worker_free_for_long_counts_the_wait_from_arrival():
+    queue = BucketQueue(BatchPolicy(max_batch_size=8, max_wait_s=0.01, max_queue=10))
+    queue.push(pending(64, at=5.0))
+    assert queue.next_batch(now=5.009, free_since=1.0) is None
+    assert len(queue.next_batch(now=5.01, free_since=1.0)) == 1
+
+
 def test_among_ready_buckets_the_earliest_deadline_goes_first():
     queue = BucketQueue(BatchPolicy(max_batch_size=8, max_wait_s=0, max_queue=10))
     queue.push(pending("busy", at=1.0, timeout=10))
