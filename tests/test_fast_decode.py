@@ -30,12 +30,19 @@ def _pixels(batch: int, width: int, seed: int) -> torch.Tensor:
     return torch.randn(batch, 1, 32, width, generator=generator)
 
 
-def _assert_same(model, pixels: torch.Tensor, max_new_tokens: int = MAX_NEW_TOKENS) -> None:
+def _assert_same(
+    model,
+    pixels: torch.Tensor,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    steps_per_run: int = 1,
+    buffer_tokens: int = MAX_NEW_TOKENS,
+) -> None:
     decoder = StaticGreedyDecoder(
         model,
         max_batch_size=6,
-        max_new_tokens=MAX_NEW_TOKENS,
+        max_new_tokens=buffer_tokens,
         max_source_len=TINY_SOURCE_LEN,
+        steps_per_run=steps_per_run,
     )
     decoder.warmup()
     expected = _generate(model, pixels, max_new_tokens)
@@ -174,6 +181,30 @@ def test_early_eos_pads_and_trims_like_generate(tiny_model, variant: bool) -> No
     for batch, width in [(1, 128), (3, 64), (5, 256), (5, 160)]:
         _assert_same(model, _pixels(batch, width, seed=7 if batch == 5 else batch))
     _assert_same(model, _pixels(5, 256, seed=7), max_new_tokens=5)
+
+
+@pytest.mark.parametrize("variant", [False, True])
+@pytest.mark.parametrize("max_new_tokens", [5, 13, MAX_NEW_TOKENS])
+def test_several_steps_per_run_match_generate(tiny_model, variant: bool, max_new_tokens) -> None:
+    """As CUDA graphs of 8 steps run: a last run past the limit is cut off, rows that end
+    early are padded, learned and sinusoidal positions past the limit stay in range."""
+    import copy
+
+    model = _variant_model() if variant else copy.deepcopy(tiny_model)
+    _force_eos(model, _pixels(5, 256, seed=7))
+    for batch, width in [(1, 128), (5, 256)]:
+        pixels = _pixels(batch, width, seed=7 if batch == 5 else batch)
+        _assert_same(model, pixels, max_new_tokens=max_new_tokens, steps_per_run=8)
+        # the decoder's own limit not a multiple of the run length either
+        _assert_same(model, pixels, max_new_tokens, steps_per_run=8, buffer_tokens=max_new_tokens)
+    _assert_same(model, _pixels(3, 64, seed=3), max_new_tokens=max_new_tokens, steps_per_run=4)
+
+
+def test_steps_per_run_must_divide_the_check_interval(tiny_model) -> None:
+    with pytest.raises(ValueError, match="steps_per_run"):
+        StaticGreedyDecoder(
+            tiny_model, max_batch_size=2, max_new_tokens=8, max_source_len=32, steps_per_run=3
+        )
 
 
 def test_should_stop_ends_early_with_a_prefix_of_generate(tiny_model) -> None:

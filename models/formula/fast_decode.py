@@ -15,8 +15,12 @@ step-index device tensor and advances it in place, so its kernels take the same
 arguments every time; on CUDA one step per batch-size bucket is captured as a
 CUDA graph and each later step is one `replay()`. Greedy argmax and the EOS/pad
 bookkeeping happen inside the step, so Python only synchronizes every
-`CHECK_EVERY` steps to see whether the batch is done. On a CPU the same step
-runs eagerly; it still skips `generate()`'s per-step overhead.
+`CHECK_EVERY` steps to see whether the batch is done. A graph holds
+`CHECK_EVERY` consecutive steps, so one `replay()` (one Python call, one grab of
+the GIL that the event loop also wants) runs them all; a batch may overshoot its
+token limit by a few steps into spare buffer positions, and those are cut off.
+On a CPU the same step runs eagerly, one at a time; it still skips
+`generate()`'s per-step overhead.
 
 The step reproduces `TrOCRDecoder` exactly (post-LN layers, query scaled by
 head_dim**-0.5 before the dot product, learned or sinusoidal positions), reusing
@@ -104,6 +108,7 @@ class StaticGreedyDecoder:
         max_new_tokens: int,
         max_source_len: int,
         use_cuda_graphs: bool | None = None,
+        steps_per_run: int | None = None,
     ) -> None:
         if not self.supports(model):
             raise ValueError("StaticGreedyDecoder supports TrOCR-decoded models only")
@@ -127,6 +132,12 @@ class StaticGreedyDecoder:
         self.use_cuda_graphs = (
             self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         )
+        # Steps per replay (or eager call); a divisor of CHECK_EVERY.
+        self.steps_per_run = steps_per_run or (CHECK_EVERY if self.use_cuda_graphs else 1)
+        if CHECK_EVERY % self.steps_per_run:
+            raise ValueError(f"steps_per_run must divide {CHECK_EVERY}")
+        # Room for the steps a last run may take past max_new_tokens.
+        self.max_steps = -(-max_new_tokens // self.steps_per_run) * self.steps_per_run
 
         generation = model.generation_config
         start = generation.decoder_start_token_id
@@ -148,7 +159,7 @@ class StaticGreedyDecoder:
         """The static buffers every step reads and writes."""
         device, dtype = self.device, self.dtype
         batch, heads, dim = self.max_batch_size, self.num_heads, self.head_dim
-        cache_len = self.max_new_tokens + 1
+        cache_len = self.max_steps + 1
         self.self_k = torch.zeros(
             num_layers, batch, heads, cache_len, dim, device=device, dtype=dtype
         )
@@ -216,13 +227,13 @@ class StaticGreedyDecoder:
         self._reset(batch, bucket)
         steps = 0
         while steps < limit:
-            chunk = min(CHECK_EVERY, limit - steps)
-            for _ in range(chunk):
-                run()
-            steps += chunk
+            run()
+            steps += self.steps_per_run
+            if steps % CHECK_EVERY and steps < limit:
+                continue
             if bool(self.finished[:batch].all()) or should_stop():
                 break
-        return self._collect(batch, steps)
+        return self._collect(batch, min(steps, limit))
 
     # -- per batch -----------------------------------------------------------
 
@@ -248,7 +259,7 @@ class StaticGreedyDecoder:
         self.tokens.fill_(self.start_id)
         self.finished.zero_()
         self.finished[batch:bucket] = True
-        self.finished_at.fill_(self.max_new_tokens)
+        self.finished_at.fill_(self.max_steps)
         self.output.fill_(self.pad_id)
         self.output[:, 0] = self.start_id
 
@@ -274,10 +285,14 @@ class StaticGreedyDecoder:
         hidden = decoder.embed_tokens(tokens[:, None])
         positions = decoder.embed_positions
         if decoder.config.use_learned_position_embeddings:
-            hidden = hidden + positions.weight[self.step_index + positions.offset][None]
+            # Steps past max_new_tokens (a last run's overshoot, cut off later) reuse the
+            # last position rather than index past the table.
+            index = (self.step_index + positions.offset).clamp_(max=positions.weight.shape[0] - 1)
+            hidden = hidden + positions.weight[index][None]
         else:
             padding = positions.padding_idx
             index = torch.where(tokens != padding, self.step_index + padding + 1, padding)
+            index = index.clamp_(max=self.sinusoids.shape[0] - 1)
             hidden = hidden + self.sinusoids[index][:, None]
         if decoder.layernorm_embedding is not None:
             hidden = decoder.layernorm_embedding(hidden)
@@ -344,7 +359,11 @@ class StaticGreedyDecoder:
         graph = self._graphs.get(bucket)
         if graph is not None:
             return graph.replay
-        return lambda: self._step(bucket)
+        return lambda: self._steps(bucket)
+
+    def _steps(self, bucket: int) -> None:
+        for _ in range(self.steps_per_run):
+            self._step(bucket)
 
     def _capture(self, bucket: int) -> torch.cuda.CUDAGraph | None:
         """Warm the step up on a side stream, then capture it into the shared memory pool."""
@@ -360,7 +379,8 @@ class StaticGreedyDecoder:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._step(bucket)
+                for _ in range(self.steps_per_run):
+                    self._step(bucket)
             return graph
         except Exception as exc:  # any capture failure falls back to eager decoding
             if not self._warned_capture:
