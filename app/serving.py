@@ -271,18 +271,19 @@ async def generate(runtime: Runtime, served: ServedModel, trace: RequestTrace, r
         span.set_attribute("gen_ai.usage.input_tokens", job.prompt_tokens)
     result = await served.submit(trace, job)
     with trace.stage("postprocess", **{"texel.images": len(job.seeds)}):
-        pngs = await runtime.run_in_pool(_encode_pngs, result.value.images)
+        level = served.settings.png_compress_level
+        pngs = await runtime.run_in_pool(_encode_pngs, result.value.images, level)
     for step_s in result.value.step_s:
         metrics.DENOISING_STEP.labels(served.name).observe(step_s)
     metrics.IMAGES_GENERATED.labels(served.name).inc(len(pngs))
     return pngs, result.value.seeds, result
 
 
-def _encode_pngs(images) -> list[bytes]:
+def _encode_pngs(images, compress_level: int) -> list[bytes]:
     out = []
     for image in images:
         buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
+        image.save(buffer, format="PNG", compress_level=compress_level)
         out.append(buffer.getvalue())
     return out
 
