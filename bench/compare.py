@@ -20,6 +20,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,17 +36,22 @@ from bench.server import ROOT, ServerProcess, free_port
 
 @functools.cache
 def gpu_name() -> str:
+    """The GPU Texel serves on: "NVIDIA H200", or "2x NVIDIA H200" when it sees two."""
     import torch
 
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"no GPU ({machine()})"
+    if not torch.cuda.is_available():
+        return f"no GPU ({machine()})"
+    count = torch.cuda.device_count()
+    name = torch.cuda.get_device_name(0)
+    return f"{count}x {name}" if count > 1 else name
 
 
 def gpu_results_file() -> Path:
-    """`bench/results/<gpu>.jsonl`: "NVIDIA H200" -> h200.jsonl."""
-    slug = "".join(c if c.isalnum() else "-" for c in gpu_name().lower()).strip("-")
-    return ROOT / "bench" / "results" / f"{slug.removeprefix('nvidia-')[:40]}.jsonl"
+    """`bench/results/<gpu>.jsonl`: "NVIDIA H200" -> h200.jsonl; two of them -> h200-x2.jsonl."""
+    count, name = re.fullmatch(r"(?:(\d+)x )?(.*)", gpu_name()).groups()
+    slug = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+    slug = slug.removeprefix("nvidia-")[:40]
+    return ROOT / "bench" / "results" / (f"{slug}-x{count}.jsonl" if count else f"{slug}.jsonl")
 
 
 def json_workload(path: str, images: list[bytes]) -> Workload:
@@ -54,19 +60,27 @@ def json_workload(path: str, images: list[bytes]) -> Workload:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Sums and counts of Texel's batch histograms, to diff around a measurement."""
+    """Sums and counts of Texel's batch and stage histograms, to diff around a measurement."""
     wanted = (
         "texel_batch_size_sum",
         "texel_batch_size_count",
         "texel_padding_efficiency_sum",
         "texel_padding_efficiency_count",
         "texel_gpu_utilization_ratio",
+        "texel_stage_duration_seconds_sum",
+        "texel_stage_duration_seconds_count",
+        "texel_request_duration_seconds_sum",
+        "texel_request_duration_seconds_count",
     )
     values: dict[str, float] = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in wanted:
-            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        if name not in wanted:
+            continue
+        if name.startswith("texel_stage_duration"):  # one series per stage
+            stage = line.split('stage="', 1)[1].split('"', 1)[0]
+            name = name.replace("texel_stage_duration_seconds", f"stage:{stage}")
+        values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return values
 
 
@@ -74,12 +88,22 @@ def texel_extras(before: dict[str, float], after: dict[str, float]) -> dict:
     def mean(metric: str) -> float | None:
         count = after.get(f"{metric}_count", 0) - before.get(f"{metric}_count", 0)
         total = after.get(f"{metric}_sum", 0) - before.get(f"{metric}_sum", 0)
-        return round(total / count, 3) if count else None
+        return total / count if count else None
 
+    def rounded(value: float | None, scale: float = 1.0, digits: int = 3) -> float | None:
+        return None if value is None else round(value * scale, digits)
+
+    stages = sorted({k[6:-4] for k in after if k.startswith("stage:") and k.endswith("_sum")})
+    stage_ms = {stage: rounded(mean(f"stage:{stage}"), 1000, 2) for stage in stages}
+    request_ms = mean("texel_request_duration_seconds")
+    if request_ms is not None:  # what the stages do not cover: HTTP, event-loop waits
+        covered = sum(v for v in stage_ms.values() if v is not None)
+        stage_ms["unaccounted"] = round(request_ms * 1000 - covered, 2)
     return {
-        "server_mean_batch_size": mean("texel_batch_size"),
-        "padding_efficiency": mean("texel_padding_efficiency"),
+        "server_mean_batch_size": rounded(mean("texel_batch_size")),
+        "padding_efficiency": rounded(mean("texel_padding_efficiency")),
         "gpu_utilization_end": after.get("texel_gpu_utilization_ratio"),
+        "stage_mean_ms": stage_ms,
     }
 
 
@@ -172,6 +196,9 @@ def record(args, server: str, concurrency, result: LoadResult | None, **extra) -
         "gpu": gpu_name(),
         "commit": commit(),
         "command": "python -m bench.compare " + " ".join(args.argv),
+        # Texel settings given in the environment beyond the command's own
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TEXEL_")}
+        | {k: v for k, v in sorted(os.environ.items()) if k == "CUDA_VISIBLE_DEVICES"},
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     if result is not None:
