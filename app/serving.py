@@ -11,9 +11,10 @@ import asyncio
 import base64
 import io
 import logging
+import multiprocessing
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,6 +133,7 @@ class Runtime:
     settings: Settings
     models: dict[str, ServedModel] = field(default_factory=dict)
     pool: ThreadPoolExecutor | None = None
+    processes: ProcessPoolExecutor | None = None
     draining: bool = False
     loader: asyncio.Task | None = None
     bottleneck: BottleneckSampler = field(default_factory=BottleneckSampler)
@@ -152,9 +154,25 @@ class Runtime:
         assert self.pool is not None
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
+    async def preprocess(self, adapter, data: bytes):
+        """`adapter.preprocess(data)` on the thread pool; or, with preprocessing processes,
+        the adapter's picklable `preprocessor` in one of them, where decoding images does
+        not hold the interpreter lock that the event loop and the GPU workers need."""
+        if self.processes is not None and hasattr(adapter, "preprocessor"):
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.processes, adapter.preprocessor, data)
+        return await self.run_in_pool(adapter.preprocess, data)
+
     async def start(self) -> None:
         threads = self.settings.preprocess_threads or (os.cpu_count() or 2)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="texel-preprocess")
+        if self.settings.preprocess_processes:
+            count = self.settings.preprocess_processes
+            # spawn: forking a process that may already hold CUDA state is unsafe
+            context = multiprocessing.get_context("spawn")
+            self.processes = ProcessPoolExecutor(max_workers=count, mp_context=context)
+            for _ in range(count):  # start them now, not on the first requests
+                self.processes.submit(os.getpid)
         self.models = _build_models(self.settings)
         # Load in the background: /livez answers at once and /readyz reports progress.
         self.loader = asyncio.get_running_loop().create_task(self._load_all())
@@ -194,6 +212,8 @@ class Runtime:
                 await model.batcher.close()
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.processes is not None:
+            self.processes.shutdown(wait=False, cancel_futures=True)
         for executor in self.compute_threads.values():
             executor.shutdown(wait=False, cancel_futures=True)
 
@@ -242,7 +262,7 @@ def _build_models(settings: Settings) -> dict[str, ServedModel]:
 async def recognize(runtime: Runtime, served: ServedModel, trace: RequestTrace, data: bytes):
     adapter = served.adapter
     with trace.stage("preprocess", **{"texel.input.bytes": len(data)}) as span:
-        item = await runtime.run_in_pool(adapter.preprocess, data)
+        item = await runtime.preprocess(adapter, data)
         span.set_attribute("texel.input.width", item.width)
         span.set_attribute("texel.bucket", item.bucket)
     result = await served.submit(trace, item)

@@ -112,6 +112,12 @@ class Settings(BaseSettings):
     preprocess_threads: int = Field(
         0, ge=0, description="Threads decoding images; 0 means one per CPU core."
     )
+    preprocess_processes: int = Field(
+        0,
+        ge=0,
+        description="Worker processes decoding formula images, away from the serving "
+        "process's interpreter lock; 0 decodes on the threads above.",
+    )
     gil_switch_interval_ms: float = Field(
         0.5,
         gt=0,

@@ -28,10 +28,10 @@ from models.devices import model_name, out_of_memory_as_batching_error, resolve_
 from models.formula.fast_decode import StaticGreedyDecoder
 from models.formula.preprocess import (
     FormulaImageSpec,
+    FormulaInput,
+    FormulaPreprocessor,
     bucket_width,
-    decode_image,
     pad_and_normalize,
-    prepare_strip,
 )
 
 # Encoders whose position information copes with any input width.
@@ -43,18 +43,6 @@ def accepts_any_width(encoder_config) -> bool:
     return encoder_config.model_type in VARIABLE_WIDTH_ENCODERS or bool(
         getattr(encoder_config, "is_native", False)
     )
-
-
-@dataclass(frozen=True)
-class FormulaInput:
-    """One preprocessed formula: its grayscale strip and the bucket it pads to."""
-
-    strip: np.ndarray  # uint8 [height, width]
-    bucket: int  # padded width
-
-    @property
-    def width(self) -> int:
-        return int(self.strip.shape[1])
 
 
 @dataclass(frozen=True)
@@ -153,10 +141,14 @@ class FormulaRecognizer:
 
     # -- per request ---------------------------------------------------------
 
+    @property
+    def preprocessor(self) -> FormulaPreprocessor:
+        """The picklable preprocessing step, for a worker process (the model is loaded)."""
+        return FormulaPreprocessor(self._spec, self.bucket_step, self.max_pixels)
+
     def preprocess(self, data: bytes) -> FormulaInput:
         """Decode and normalize one upload (CPU, off the event loop)."""
-        strip = prepare_strip(decode_image(data, self.max_pixels), self._spec)
-        return FormulaInput(strip, bucket_width(strip.shape[1], self._spec, self.bucket_step))
+        return self.preprocessor(data)
 
     def bucket(self, item: FormulaInput) -> int:
         return item.bucket

@@ -191,3 +191,32 @@ def pad_and_normalize(strips: list[np.ndarray], width: int, spec: FormulaImageSp
         batch[i, :, :w] = strip[:, :w]
     pixels = (batch.astype(np.float32) / 255.0 - spec.mean) / spec.std
     return np.repeat(pixels[:, None], spec.channels, axis=1)
+
+
+@dataclass(frozen=True)
+class FormulaInput:
+    """One preprocessed formula: its grayscale strip and the bucket it pads to."""
+
+    strip: np.ndarray  # uint8 [height, width]
+    bucket: int  # padded width
+
+    @property
+    def width(self) -> int:
+        return int(self.strip.shape[1])
+
+
+@dataclass(frozen=True)
+class FormulaPreprocessor:
+    """Upload bytes to a `FormulaInput`: decode, strip, bucket.
+
+    Plain data and a module of numpy and PIL only, so it pickles into a worker
+    process (`TEXEL_PREPROCESS_PROCESSES`) without torch or the model.
+    """
+
+    spec: FormulaImageSpec
+    bucket_step: int
+    max_pixels: int
+
+    def __call__(self, data: bytes) -> FormulaInput:
+        strip = prepare_strip(decode_image(data, self.max_pixels), self.spec)
+        return FormulaInput(strip, bucket_width(strip.shape[1], self.spec, self.bucket_step))
