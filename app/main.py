@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -28,7 +27,6 @@ def build_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
         await runtime.start()
         try:
             yield

@@ -21,6 +21,7 @@ from typing import Any
 from opentelemetry.trace import Link
 
 from app.settings import ModelSettings, Settings
+from app.workers import exit_with_parent
 from batching import Batcher, BatchPolicy, Worker
 from models.devices import resolve_devices
 from telemetry import BatchTelemetry, RequestTrace, metrics
@@ -170,7 +171,12 @@ class Runtime:
             count = self.settings.preprocess_processes
             # spawn: forking a process that may already hold CUDA state is unsafe
             context = multiprocessing.get_context("spawn")
-            self.processes = ProcessPoolExecutor(max_workers=count, mp_context=context)
+            self.processes = ProcessPoolExecutor(
+                max_workers=count,
+                mp_context=context,
+                initializer=exit_with_parent,
+                initargs=(os.getpid(),),
+            )
             for _ in range(count):  # start them now, not on the first requests
                 self.processes.submit(os.getpid)
         self.models = _build_models(self.settings)

@@ -30,7 +30,7 @@ class ModelSettings(BaseModel):
         256, ge=1, description="Requests waiting for a batch before new ones get 429."
     )
     max_linger_ms: float = Field(
-        20.0,
+        0.0,
         ge=0,
         description="How much longer than max_wait_ms a bucket may wait while requests "
         "keep arriving (each within max_wait_ms of the last).",
@@ -117,13 +117,6 @@ class Settings(BaseSettings):
         ge=0,
         description="Worker processes decoding formula images, away from the serving "
         "process's interpreter lock; 0 decodes on the threads above.",
-    )
-    gil_switch_interval_ms: float = Field(
-        0.5,
-        gt=0,
-        description="Python's thread switch interval (its default is 5 ms). The event loop, "
-        "image decoding and each device's compute thread share one interpreter lock; a "
-        "shorter interval stops a busy thread from holding the others up for 5 ms at a time.",
     )
     formula: FormulaSettings = Field(default_factory=FormulaSettings)
     image: ImageSettings = Field(default_factory=ImageSettings)

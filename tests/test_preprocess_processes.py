@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import signal
 
 import psutil
 
@@ -45,3 +46,7 @@ def test_worker_processes_give_the_same_answers_and_the_same_errors(start_server
         assert not_image.status_code == 415, not_image.text
         again = client.post("/recognize", files={"image": ("f.png", images[0], "image/png")})
         assert again.status_code == 200 and again.json()["latex"] == expected[0]
+
+    processes.stop(signal.SIGKILL)  # killed outright, the workers still go
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, [p.pid for p in alive]
