@@ -21,6 +21,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -218,13 +219,34 @@ def record(args, server: str, concurrency, result: LoadResult | None, **extra) -
     return base
 
 
-def sweep(args, server: str, url: str, workload: Workload, is_texel: bool) -> list[dict]:
+def py_spy(args, pid: int, label: str) -> list[subprocess.Popen]:
+    """Sample every thread of `pid` for one measurement: once only while holding the GIL
+    (who has the interpreter), once including waits (where each thread is)."""
+    seconds = str(int(args.warmup + args.duration))
+    spies = []
+    for mode, flags in (("gil", ["--gil"]), ("all", ["--idle"])):
+        out = args.out.parent / f"py-spy-{label}-{mode}.txt"
+        binary = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        command = [binary, "record", "-p", str(pid), "-d", seconds, "-r", "100", "--threads"]
+        command += ["--nonblocking", "-f", "raw", "-o", str(out), *flags]
+        spies.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+    return spies
+
+
+def sweep(
+    args, server: str, url: str, workload: Workload, is_texel: bool, pid: int | None = None
+) -> list[dict]:
     records = []
     for concurrency in args.concurrency:
         before = scrape(url) if is_texel else {}
+        spies = []
+        if pid is not None and concurrency == args.py_spy_at:
+            spies = py_spy(args, pid, f"{server}-c{concurrency}")
         result = closed_loop_processes(
             url, workload, concurrency, args.duration, args.warmup, args.client_processes
         )
+        for spy in spies:
+            spy.wait(60)
         extra = texel_extras(before, scrape(url)) if is_texel else {}
         records.append(record(args, server, concurrency, result, **extra))
     for rate in args.rates if is_texel else []:
@@ -248,7 +270,8 @@ def run(args) -> list[dict]:
             )
             try:
                 workload = json_workload("/recognize", images)
-                records += sweep(args, server, proc.url, workload, is_texel=True)
+                pid = proc.process.pid
+                records += sweep(args, server, proc.url, workload, is_texel=True, pid=pid)
             finally:
                 # uvicorn re-raises the stop signal once drained: SIGINT becomes a
                 # KeyboardInterrupt, which lets cProfile write its stats; SIGTERM would not
@@ -333,6 +356,13 @@ def main() -> None:
         default=None,
         help="run `texel` under cProfile and write the event loop's stats here "
         "(read with `python -m pstats`); its figures are slowed by the profiler",
+    )
+    parser.add_argument(
+        "--py-spy-at",
+        type=int,
+        default=None,
+        help="sample Texel's threads with py-spy at this concurrency, into py-spy-*.txt "
+        "beside --out (raw folded stacks: one with only GIL holders, one with waits)",
     )
     args = parser.parse_args()
     args.argv = sys.argv[1:]

@@ -244,3 +244,17 @@ def test_shipped_pipeline_paints_the_asked_background(pipe):
     images = _generate(pipe, FIXED_PROMPTS, [0, 1, 2])
     for image, prompt in zip(images, FIXED_PROMPTS, strict=True):
         assert judge.score(image, prompt)["background"], prompt
+
+
+def test_the_evaluation_can_judge_a_running_service(server):
+    """`evaluate --url`: the same cases through POST /generate, as RGB arrays to judge."""
+    from models.image.evaluate import Case, served_images
+
+    # short prompts: the tiny test model's text encoder reads only a few tokens
+    some = [Case("red", 1, True), Case("blue", 2, False), Case("red", 3, False)]
+    images = served_images(server.url, concurrency=3)(some)
+    assert len(images) == 3
+    for image in images:
+        assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3
+    again = served_images(server.url, concurrency=1)(some[:1])  # same seed, same image
+    assert np.array_equal(again[0], images[0])

@@ -6,17 +6,23 @@ Generates a fixed set of prompts with fixed seeds through the pipeline's
 defaults (`texel.json`) and prints, for held-out and seen combinations, how
 often background, colour, shape and count are right. `--grid` sweeps steps and
 guidance instead; `--latency-runs` times one image at the defaults on two CPU
-threads, as the service would.
+threads, as the service would. `--url` asks a running Texel for the same images
+through `POST /generate` (the served model's defaults, the same seeds), so the
+figures are those of the service itself:
+
+    python -m models.image.evaluate --url http://127.0.0.1:8000
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import random
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,16 +99,51 @@ def _score(args: tuple[np.ndarray, str]) -> dict[str, bool]:
     return judge.score(*args)
 
 
+def pipeline_images(
+    pipe: DiffusionPipeline, steps: int, guidance: float, batch_size: int
+) -> Callable[[list[Case]], list[np.ndarray]]:
+    def images(all_cases: list[Case]) -> list[np.ndarray]:
+        out: list[np.ndarray] = []
+        for start in range(0, len(all_cases), batch_size):
+            batch = all_cases[start : start + batch_size]
+            prompts, seeds = [c.prompt for c in batch], [c.seed for c in batch]
+            pil = generate(pipe, prompts, seeds, steps, guidance)
+            out += [np.asarray(image) for image in pil]
+        return out
+
+    return images
+
+
+def served_images(url: str, concurrency: int = 8) -> Callable[[list[Case]], list[np.ndarray]]:
+    """Images from a running Texel's `POST /generate`, at the served model's defaults."""
+    import httpx
+    from PIL import Image
+
+    def one(client: httpx.Client, case: Case) -> np.ndarray:
+        response = client.post(
+            "/generate",
+            json={"prompt": case.prompt, "seed": case.seed},
+            headers={"Accept": "image/png"},
+        )
+        response.raise_for_status()
+        return np.asarray(Image.open(io.BytesIO(response.content)).convert("RGB"))
+
+    def images(all_cases: list[Case]) -> list[np.ndarray]:
+        with (
+            httpx.Client(base_url=url, timeout=300) as client,
+            ThreadPoolExecutor(concurrency) as pool,
+        ):
+            return list(pool.map(lambda case: one(client, case), all_cases))
+
+    return images
+
+
 def adherence(
-    pipe: DiffusionPipeline, steps: int, guidance: float, *, batch_size: int = 16, workers: int = 1
+    images_for: Callable[[list[Case]], list[np.ndarray]], *, workers: int = 1
 ) -> dict[str, dict[str, float]]:
     """Share of images right on each criterion, split into held-out and seen prompts."""
     all_cases = cases()
-    images: list[np.ndarray] = []
-    for start in range(0, len(all_cases), batch_size):
-        batch = all_cases[start : start + batch_size]
-        out = generate(pipe, [c.prompt for c in batch], [c.seed for c in batch], steps, guidance)
-        images += [np.asarray(image) for image in out]
+    images = images_for(all_cases)
     jobs = [(image, case.prompt) for image, case in zip(images, all_cases, strict=True)]
     if workers > 1:
         with ProcessPoolExecutor(max_workers=workers) as pool:
@@ -159,9 +200,19 @@ def main(argv: list[str] | None = None) -> None:
         "--latency-runs", type=int, default=0, help="time this many single images instead"
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--url", default=None, help="judge a running Texel's POST /generate instead"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.url:
+        table = adherence(served_images(args.url), workers=args.workers)
+        print(f"Prompt adherence through {args.url}/generate, the served model's defaults\n")
+        print(markdown(table))
+        if args.json:
+            args.json.write_text(json.dumps({"url": args.url, "table": table}, indent=2))
+        return
     pipe, defaults = load(args.model, args.device)
     steps = args.steps or defaults.get("num_inference_steps", 12)
     guidance = args.guidance if args.guidance is not None else defaults.get("guidance_scale", 3.0)
@@ -185,14 +236,16 @@ def main(argv: list[str] | None = None) -> None:
         for s in step_list:
             for g in guidance_list:
                 started = time.perf_counter()
-                table = adherence(pipe, int(s), g, batch_size=args.batch_size, workers=args.workers)
+                images = pipeline_images(pipe, int(s), g, args.batch_size)
+                table = adherence(images, workers=args.workers)
                 result.append({"steps": int(s), "guidance": g, "table": table})
                 took = time.perf_counter() - started
                 print(
                     f"\nsteps={int(s)} guidance={g} ({took:.0f} s)\n{markdown(table)}", flush=True
                 )
     else:
-        table = adherence(pipe, steps, guidance, batch_size=args.batch_size, workers=args.workers)
+        images = pipeline_images(pipe, steps, guidance, args.batch_size)
+        table = adherence(images, workers=args.workers)
         result = {"steps": steps, "guidance": guidance, "table": table}
         print(f"Prompt adherence, {args.model}, steps={steps}, guidance={guidance}\n")
         print(markdown(table))
