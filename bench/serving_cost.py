@@ -1,0 +1,141 @@
+"""What Texel's serving path itself costs in CPU per request, without the model's compute.
+
+    python -m bench.serving_cost --concurrency 16 --duration 10
+
+Texel is started as `texel serve` with the real formula model loaded, but its batch
+computation replaced by a canned answer (`--instant`, see `serve_instant` below), so
+what remains is everything a request costs besides the model: HTTP, JSON and base64,
+image decoding, the batcher, tracing, metrics and logging. The figure that matters on
+a GPU is CPU milliseconds per request in the serving process (and its preprocessing
+workers): that work shares one interpreter lock with the GPU workers, and the H200
+runs showed it starving them (README, Benchmarks). Each configuration runs in a fresh
+server; the table lists requests/s and CPU ms per request. Throughput on a 2-core
+machine is bounded by the client sharing it; CPU per request is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from bench.common import commit, formula_images, machine
+from bench.compare import json_workload
+from bench.load import closed_loop_processes
+from bench.server import ROOT, free_port
+
+CONFIGS = {
+    "as shipped": {},
+    "1% of traces sampled": {
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0.01",
+    },
+    "tracing SDK off (OTEL_SDK_DISABLED=true)": {"OTEL_SDK_DISABLED": "true"},
+    "2 preprocessing processes": {"TEXEL_PREPROCESS_PROCESSES": "2"},
+}
+
+
+def serve_instant(port: int) -> None:
+    """`texel serve`, each formula batch answered at once with a fixed 48-token result."""
+    from app.cli import serve
+    from models.formula import adapter
+
+    def instant(self, device, batch, should_stop, max_new_tokens=None):
+        return [adapter.FormulaTokens([10, 11, 12, 13] * 12, 1e-5) for _ in batch]
+
+    adapter.FormulaRecognizer._generate = instant
+    serve("127.0.0.1", port)
+
+
+def cpu_seconds(process: psutil.Process) -> tuple[float, float]:
+    """User + system CPU of the serving process, and of its children (preprocessing workers)."""
+    own = sum(process.cpu_times()[:2])
+    children = 0.0
+    for child in process.children(recursive=True):
+        try:
+            children += sum(child.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            continue
+    return own, children
+
+
+def measure(env: dict[str, str], args, images: list[bytes]) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    full_env = {**os.environ, "OTEL_SDK_DISABLED": "false", "TEXEL_LOG_FORMAT": "text", **env}
+    full_env |= {"TEXEL_IMAGE__ENABLED": "false", "TEXEL_FORMULA__MAX_QUEUE": "4096"}
+    command = [sys.executable, "-m", "bench.serving_cost", "--instant", str(port)]
+    log = (Path("/tmp") / f"texel-serving-cost-{port}.log").open("wb")
+    server = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not become ready; see {log.name}")
+            try:
+                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        workload = json_workload("/recognize", images)
+        closed_loop_processes(url, workload, args.concurrency, args.warmup, 0.5, 1)  # warm
+        process = psutil.Process(server.pid)
+        own_before, children_before = cpu_seconds(process)
+        result = closed_loop_processes(url, workload, args.concurrency, args.duration, 0.0, 1)
+        own_after, children_after = cpu_seconds(process)
+        summary = result.summary()
+        per_request = 1000 / max(1, summary["requests"])
+        return {
+            "throughput_rps": summary["throughput_rps"],
+            "requests": summary["requests"],
+            "errors": summary["errors"],
+            "server_cpu_ms_per_request": round((own_after - own_before) * per_request, 3),
+            "worker_cpu_ms_per_request": round((children_after - children_before) * per_request, 3),
+        }
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--images", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each configuration")
+    parser.add_argument("--instant", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.instant:
+        serve_instant(args.instant)
+        return
+    images = formula_images(args.data, args.images)
+    print(f"{machine()}; commit {commit()}; concurrency {args.concurrency}, {args.duration:g} s\n")
+    print("| configuration | requests/s | CPU ms per request: serving process | workers |")
+    print("|---|---|---|---|")
+    for name, env in CONFIGS.items():
+        runs = [measure(env, args, images) for _ in range(args.repeats)]
+        record = {"configuration": name, "env": env, "runs": runs, "commit": commit()}
+        print(json.dumps(record), file=sys.stderr)
+        rates = ", ".join(f"{r['throughput_rps']:.0f}" for r in runs)
+        own = ", ".join(f"{r['server_cpu_ms_per_request']:.2f}" for r in runs)
+        workers = ", ".join(f"{r['worker_cpu_ms_per_request']:.2f}" for r in runs)
+        print(f"| {name} | {rates} | {own} | {workers} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
