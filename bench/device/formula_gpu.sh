@@ -30,6 +30,9 @@ cmp() {
 export CUDA_VISIBLE_DEVICES=1
 cmp --servers texel,model-only,litserve,texel-nobatch --concurrency 1,8,32,128,256 --out $OUT/h200.jsonl --py-spy-at 128
 TEXEL_PREPROCESS_PROCESSES=8 cmp --servers texel --concurrency 128,256 --out $OUT/ab.jsonl
+TEXEL_PREPROCESS_THREADS=4 cmp --servers texel --concurrency 128,256 --out $OUT/ab.jsonl
+OTEL_TRACES_SAMPLER=parentbased_traceidratio OTEL_TRACES_SAMPLER_ARG=0.01 \
+    cmp --servers texel --concurrency 128,256 --out $OUT/ab.jsonl
 echo "=== gpu1 done at $(( $(date +%s) - T0 ))s" >> $L
 wait $TRAIN
 unset CUDA_VISIBLE_DEVICES
