@@ -197,9 +197,12 @@ def record(args, server: str, concurrency, result: LoadResult | None, **extra) -
         "gpu": gpu_name(),
         "commit": commit(),
         "command": "python -m bench.compare " + " ".join(args.argv),
-        # Texel settings given in the environment beyond the command's own
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TEXEL_")}
-        | {k: v for k, v in sorted(os.environ.items()) if k == "CUDA_VISIBLE_DEVICES"},
+        # Texel and OpenTelemetry settings given in the environment beyond the command's own
+        "env": {
+            k: v
+            for k, v in sorted(os.environ.items())
+            if k.startswith(("TEXEL_", "OTEL_")) or k == "CUDA_VISIBLE_DEVICES"
+        },
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     if result is not None:
