@@ -9,6 +9,7 @@ never the SDK directly.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -99,6 +100,17 @@ def _exemplar(trace_id: str | None) -> dict[str, str] | None:
     return {"trace_id": trace_id} if trace_id else None
 
 
+@functools.cache
+def _stage_histogram(model: str, stage: str):
+    """The labelled child of the stage histogram, looked up once (labels() locks)."""
+    return metrics.STAGE_DURATION.labels(model, stage)
+
+
+@functools.cache
+def _queue_wait_histogram(model: str):
+    return metrics.QUEUE_WAIT.labels(model)
+
+
 class RequestTrace:
     """Times the stages of one request as spans, histogram samples and `timings_ms`."""
 
@@ -108,6 +120,12 @@ class RequestTrace:
         self.timings_ms: dict[str, float] = {}
         self.parent: Span = trace.get_current_span()
         self.trace_id = current_trace_id()
+        self._exemplar = _exemplar(self.trace_id)
+        self._constant_attributes = {
+            "gen_ai.operation.name": operation,
+            "gen_ai.request.model": model,
+            "texel.model": model,
+        }
 
     @property
     def span_context(self) -> SpanContext:
@@ -152,18 +170,14 @@ class RequestTrace:
 
     def _observe(self, name: str, seconds: float) -> None:
         self.timings_ms[name] = round(self.timings_ms.get(name, 0.0) + seconds * 1000, 3)
-        metrics.STAGE_DURATION.labels(self.model, name).observe(
-            seconds, exemplar=_exemplar(self.trace_id)
-        )
+        _stage_histogram(self.model, name).observe(seconds, exemplar=self._exemplar)
         if name == "queue.wait":
-            metrics.QUEUE_WAIT.labels(self.model).observe(seconds, _exemplar(self.trace_id))
+            _queue_wait_histogram(self.model).observe(seconds, self._exemplar)
 
     def _attributes(self, extra: dict[str, Any]) -> dict[str, Any]:
-        attributes = {
-            "gen_ai.operation.name": self.operation,
-            "gen_ai.request.model": self.model,
-            "texel.model": self.model,
-        }
+        if not extra:
+            return self._constant_attributes
+        attributes = dict(self._constant_attributes)
         attributes.update({k: v for k, v in extra.items() if v is not None})
         return attributes
 
