@@ -242,3 +242,33 @@ def test_next_wakeup_without_an_idle_worker_counts_only_deadlines():
     queue = BucketQueue(BatchPolicy(max_batch_size=8, max_wait_s=0.25, max_queue=10))
     queue.push(pending(64, at=1.0, timeout=10))
     assert queue.next_wakeup(include_wait=False) == pytest.approx(11.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    arrivals=st.lists(
+        st.tuples(st.sampled_from([32, 64, 96]), st.floats(0, 2)), min_size=1, max_size=20
+    ),
+    max_batch=st.integers(2, 30),
+    max_wait=st.floats(0, 0.5),
+    merge=st.booleans(),
+    linger=st.sampled_from([0.0, 0.05, 1.0]),
+    free_since=st.one_of(st.just(-float("inf")), st.floats(0, 3)),
+)
+def test_a_scheduler_woken_at_next_wakeup_finds_a_batch_or_an_expired_request(
+    arrivals, max_batch, max_wait, merge, linger, free_since
+):
+    """Property: readiness and wake-up times agree, with the wait counted from arrival or
+    from a free worker, so a scheduler that sleeps until next_wakeup() neither stalls
+    nor spins."""
+    policy = BatchPolicy(max_batch, max_wait, 100, merge_buckets=merge, max_linger_s=linger)
+    queue = BucketQueue(policy)
+    for i, (bucket, at) in enumerate(sorted(arrivals, key=lambda a: a[1])):
+        queue.push(Pending(payload=i, bucket=bucket, cost=1, enqueued_at=at, deadline=at + 60))
+    now = max(at for _, at in arrivals)
+    if queue.next_batch(now, free_since=free_since) is not None:
+        return  # something was ready at once
+    wakeup = queue.next_wakeup(free_since=free_since)
+    assert wakeup is not None and wakeup > now
+    expired = any(item.deadline <= wakeup for item in queue)
+    assert expired or queue.next_batch(wakeup, free_since=free_since) is not None
