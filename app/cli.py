@@ -89,6 +89,9 @@ def diagnose(url: str, window_s: float, api_key: str | None) -> int:
         f"{verdict['busiest_thread_utilization']:.0%}, gpu "
         f"{'absent' if gpu is None else f'{gpu:.0%}'} over {verdict['window_s']:.1f} s"
     )
+    lag = verdict.get("event_loop_lag_s")
+    if lag is not None:
+        print(f"  event loop {lag * 1000:.1f} ms late on average")
     for stage, share in sorted(verdict["stage_shares"].items(), key=lambda kv: -kv[1]):
         print(f"  {stage:<12} {share:6.1%}")
     return 0

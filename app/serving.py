@@ -25,7 +25,7 @@ from app.workers import exit_with_parent
 from batching import Batcher, BatchPolicy, Worker
 from models.devices import resolve_devices
 from telemetry import BatchTelemetry, RequestTrace, metrics
-from telemetry.bottleneck import BottleneckSampler
+from telemetry.bottleneck import BottleneckSampler, watch_event_loop
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,7 @@ class Runtime:
     processes: ProcessPoolExecutor | None = None
     draining: bool = False
     loader: asyncio.Task | None = None
+    loop_watch: asyncio.Task | None = None
     bottleneck: BottleneckSampler = field(default_factory=BottleneckSampler)
     compute_threads: dict[str, ThreadPoolExecutor] = field(default_factory=dict)
 
@@ -165,6 +166,7 @@ class Runtime:
         return await self.run_in_pool(adapter.preprocess, data)
 
     async def start(self) -> None:
+        self.loop_watch = asyncio.get_running_loop().create_task(watch_event_loop())
         threads = self.settings.preprocess_threads or (os.cpu_count() or 2)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="texel-preprocess")
         if self.settings.preprocess_processes:
@@ -213,6 +215,8 @@ class Runtime:
         self.draining = True
         if self.loader is not None and not self.loader.done():
             self.loader.cancel()
+        if self.loop_watch is not None:
+            self.loop_watch.cancel()
         for model in self.models.values():
             if model.batcher is not None:
                 await model.batcher.close()

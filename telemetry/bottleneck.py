@@ -1,8 +1,10 @@
 """Bottleneck diagnosis: which of the four quadrants is this server in?
 
 Over a window it samples process CPU (all cores, and the busiest thread, which
-catches a saturated event loop or GIL), GPU utilization, and how the time spent
-in request stages splits between them; then names the quadrant:
+catches a saturated event loop or GIL), how late the event loop ran its timers
+(which catches threads contending for the GIL, where no one thread is busy), GPU
+utilization, and how the time spent in request stages splits between them; then
+names the quadrant:
 
     cpu_bound   high CPU, low GPU: pre/post-processing or Python overhead
     gpu_bound   high GPU, low CPU: the model itself; batch bigger or faster kernels
@@ -26,6 +28,29 @@ from telemetry.resources import Nvml
 HIGH_CPU = 0.6  # share of all cores
 HIGH_THREAD = 0.85  # share of one core: a single hot thread (event loop, GIL)
 HIGH_GPU = 0.6
+HIGH_LOOP_LAG_S = 0.02  # mean lateness of the event loop's timers
+LOOP_LAG_INTERVAL_S = 0.1
+
+
+async def watch_event_loop(interval_s: float = LOOP_LAG_INTERVAL_S) -> None:
+    """Run for the server's life: observe how late each `interval_s` timer fires."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + interval_s
+        await asyncio.sleep(interval_s)
+        metrics.EVENT_LOOP_LAG.observe(max(0.0, loop.time() - due))
+
+
+def loop_lag_totals() -> tuple[float, float]:
+    """(sum of lag seconds, number of samples) of the event-loop lag histogram so far."""
+    total = count = 0.0
+    for family in metrics.EVENT_LOOP_LAG.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_sum"):
+                total = sample.value
+            elif sample.name.endswith("_count"):
+                count = sample.value
+    return total, count
 
 
 @dataclass(frozen=True)
@@ -35,6 +60,7 @@ class Sample:
     gpu_utilization: float | None  # None: no GPU on this machine
     stage_seconds: dict[str, float]
     window_s: float
+    event_loop_lag_s: float | None = None  # mean over the window; None: not measured
 
 
 @dataclass(frozen=True)
@@ -47,6 +73,7 @@ class Verdict:
     gpu_utilization: float | None
     stage_shares: dict[str, float] = field(default_factory=dict)
     window_s: float = 0.0
+    event_loop_lag_s: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -57,8 +84,12 @@ def classify(sample: Sample) -> Verdict:
     total = sum(sample.stage_seconds.values())
     shares = {k: round(v / total, 4) for k, v in sample.stage_seconds.items()} if total else {}
     dominant = max(shares, key=shares.get) if shares else None
+    lag = sample.event_loop_lag_s
+    loop_late = lag is not None and lag >= HIGH_LOOP_LAG_S
     cpu_high = (
-        sample.cpu_utilization >= HIGH_CPU or sample.busiest_thread_utilization >= HIGH_THREAD
+        sample.cpu_utilization >= HIGH_CPU
+        or sample.busiest_thread_utilization >= HIGH_THREAD
+        or loop_late
     )
     gpu = sample.gpu_utilization
     gpu_high = gpu is not None and gpu >= HIGH_GPU
@@ -77,6 +108,12 @@ def classify(sample: Sample) -> Verdict:
     else:
         quadrant = "starved"
         why = "CPU and GPU both idle: too little load, or time goes to waiting (network, disk)"
+    if loop_late:
+        why += (
+            f"; the event loop runs {lag * 1000:.0f} ms late: it, or threads holding the GIL, "
+            "keep requests waiting (fewer preprocessing threads, TEXEL_PREPROCESS_PROCESSES, "
+            "lower trace sampling)"
+        )
     if dominant:
         why += f"; most request time is in '{dominant}' ({shares[dominant]:.0%})"
     return Verdict(
@@ -88,6 +125,7 @@ def classify(sample: Sample) -> Verdict:
         gpu_utilization=None if gpu is None else round(gpu, 4),
         stage_shares=shares,
         window_s=sample.window_s,
+        event_loop_lag_s=None if lag is None else round(lag, 4),
     )
 
 
@@ -113,10 +151,12 @@ class BottleneckSampler:
         self,
         gpu_probe: Callable[[], float | None] | None = None,
         stages: Callable[[], dict[str, float]] = stage_totals,
+        loop_lag: Callable[[], tuple[float, float]] = loop_lag_totals,
     ) -> None:
         self._nvml = Nvml() if gpu_probe is None else None
         self._gpu_probe = gpu_probe or self._nvml_probe
         self._stages = stages
+        self._loop_lag = loop_lag
         self._process = psutil.Process()
 
     def _nvml_probe(self) -> float | None:
@@ -131,6 +171,7 @@ class BottleneckSampler:
         cpu0 = sum(self._process.cpu_times()[:2])
         threads0 = _thread_times(self._process)
         stages0 = self._stages()
+        lag0 = self._loop_lag()
         gpu_samples: list[float] = []
         while time.monotonic() - start < window_s:
             reading = self._gpu_probe()
@@ -141,6 +182,8 @@ class BottleneckSampler:
         cpu1 = sum(self._process.cpu_times()[:2])
         threads1 = _thread_times(self._process)
         stages1 = self._stages()
+        lag1 = self._loop_lag()
+        lag_count = lag1[1] - lag0[1]
         busiest = max(
             ((threads1[t] - threads0.get(t, 0.0)) / elapsed for t in threads1), default=0.0
         )
@@ -151,6 +194,7 @@ class BottleneckSampler:
             gpu_utilization=sum(gpu_samples) / len(gpu_samples) if gpu_samples else None,
             stage_seconds={k: v for k, v in deltas.items() if v > 0},
             window_s=round(elapsed, 3),
+            event_loop_lag_s=(lag1[0] - lag0[0]) / lag_count if lag_count else None,
         )
 
     async def diagnose(self, window_s: float = 10.0) -> Verdict:

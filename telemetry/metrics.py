@@ -113,6 +113,13 @@ IMAGES_GENERATED = Counter(
     ["model"],
     registry=REGISTRY,
 )
+EVENT_LOOP_LAG = Histogram(
+    "texel_event_loop_lag_seconds",
+    "How late the event loop ran a timer that was due (sampled every 100 ms). Lag "
+    "means requests wait for the loop: it is busy, or other threads hold the GIL.",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+    registry=REGISTRY,
+)
 MODEL_READY = Gauge(
     "texel_model_ready",
     "1 once a model is loaded and warmed up.",

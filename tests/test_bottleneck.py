@@ -114,3 +114,37 @@ def test_the_server_answers_a_diagnosis(server):
     assert verdict["gpu_utilization"] is None  # no GPU here: absent, not zero
     bad = httpx.get(server.url + "/debug/bottleneck", params={"window_s": 0}, timeout=30)
     assert bad.status_code == 422
+
+
+def test_a_late_event_loop_counts_as_cpu_bound_and_says_why():
+    late = Sample(0.1, 0.2, 0.1, {"generate": 1.0}, 10.0, event_loop_lag_s=0.08)
+    verdict = classify(late)
+    assert verdict.quadrant == "cpu_bound"
+    assert "80 ms late" in verdict.explanation and verdict.event_loop_lag_s == 0.08
+    on_time = Sample(0.1, 0.2, 0.1, {"generate": 1.0}, 10.0, event_loop_lag_s=0.001)
+    assert classify(on_time).quadrant == "starved"
+
+
+async def test_the_event_loop_watch_sees_a_blocked_loop():
+    import asyncio
+
+    from telemetry.bottleneck import loop_lag_totals, watch_event_loop
+
+    watch = asyncio.ensure_future(watch_event_loop(interval_s=0.02))
+    await asyncio.sleep(0.1)  # a few on-time samples first
+    before_sum, before_count = loop_lag_totals()
+    time.sleep(0.3)  # blocks the loop, as a busy loop or a held GIL would
+    await asyncio.sleep(0.1)
+    watch.cancel()
+    after_sum, after_count = loop_lag_totals()
+    assert after_count > before_count
+    assert after_sum - before_sum >= 0.25  # the timer due during the block fired ~0.3 s late
+
+
+def test_the_server_reports_event_loop_lag(server):
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        time.sleep(0.5)  # the watch samples every 100 ms from start-up
+        text = client.get("/metrics").text
+    assert "texel_event_loop_lag_seconds_count" in text
+    count = [ln for ln in text.splitlines() if ln.startswith("texel_event_loop_lag_seconds_count")]
+    assert float(count[0].rsplit(" ", 1)[1]) > 0
