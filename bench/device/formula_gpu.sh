@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on an `nvidia-h200-x2` machine (device tool), as run for the README's H200
 # figures: GPU 0 continues the formula model; GPU 1 runs the single-GPU comparison and
-# A/B checks; then Texel on both GPUs. Results and the model come back under $OUT.
+# A/B checks (each record names its settings); then Texel on both GPUs. Results, py-spy
+# samples and the model come back under $OUT: 8 files, the most a call returns.
 #   carry: .whl .fd .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/formula_gpu.sh COMMIT [TRAIN_MINUTES]
 T0=$(date +%s)
@@ -16,7 +17,6 @@ mkdir -p /tmp/d /tmp/b && tar xJf .fd/fd.tar.xz -C /tmp/d && tar xf .gb/bench_im
         --real-fraction 0.3 --eval-every 0 --dev-limit 256 --workers 18 --seed "$RANDOM" \
         --log /tmp/formula.jsonl > $OUT/train.log 2>&1
     echo "train rc=$? at $(( $(date +%s) - T0 ))s" >> $OUT/train.log
-    cp /tmp/formula.jsonl $OUT/
     tar cf - -C /tmp fm | split -b 15m - $OUT/fm.tar.
 ) &
 TRAIN=$!
@@ -29,10 +29,10 @@ cmp() {
 }
 export CUDA_VISIBLE_DEVICES=1
 cmp --servers texel,model-only,litserve,texel-nobatch --concurrency 1,8,32,128,256 --out $OUT/h200.jsonl --py-spy-at 128
-TEXEL_PREPROCESS_PROCESSES=8 cmp --servers texel --concurrency 128,256 --out $OUT/ab.jsonl
-TEXEL_PREPROCESS_THREADS=4 cmp --servers texel --concurrency 128,256 --out $OUT/ab.jsonl
+TEXEL_PREPROCESS_PROCESSES=8 cmp --servers texel --concurrency 128 --out $OUT/h200.jsonl
+TEXEL_PREPROCESS_THREADS=4 cmp --servers texel --concurrency 128 --out $OUT/h200.jsonl
 OTEL_TRACES_SAMPLER=parentbased_traceidratio OTEL_TRACES_SAMPLER_ARG=0.01 \
-    cmp --servers texel --concurrency 128,256 --out $OUT/ab.jsonl
+    cmp --servers texel --concurrency 128 --out $OUT/h200.jsonl
 echo "=== gpu1 done at $(( $(date +%s) - T0 ))s" >> $L
 wait $TRAIN
 unset CUDA_VISIBLE_DEVICES
