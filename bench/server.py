@@ -25,7 +25,11 @@ class ServerProcess:
     """`texel serve` in a subprocess on a free port, with the environment given."""
 
     def __init__(
-        self, env: dict[str, str], wait_ready: bool = True, profile: Path | None = None
+        self,
+        env: dict[str, str],
+        wait_ready: bool = True,
+        profile: Path | None = None,
+        entry: tuple[str, ...] = ("app.cli", "serve"),
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -41,8 +45,7 @@ class ServerProcess:
                 sys.executable,
                 *profiler,
                 "-m",
-                "app.cli",
-                "serve",
+                *entry,  # a module taking --host and --port, `texel serve` by default
                 "--host",
                 "127.0.0.1",
                 "--port",

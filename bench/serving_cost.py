@@ -17,20 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import psutil
 
 from bench.common import commit, formula_images, machine
 from bench.compare import json_workload
 from bench.load import closed_loop_processes
-from bench.server import ROOT, free_port
+from bench.server import ROOT, ServerProcess
 
 CONFIGS = {
     "as shipped": {},
@@ -43,7 +38,7 @@ CONFIGS = {
 }
 
 
-def serve_instant(port: int) -> None:
+def serve_instant(host: str, port: int) -> None:
     """`texel serve`, each formula batch answered at once with a fixed 48-token result."""
     from app.cli import serve
     from models.formula import adapter
@@ -52,7 +47,7 @@ def serve_instant(port: int) -> None:
         return [adapter.FormulaTokens([10, 11, 12, 13] * 12, 1e-5) for _ in batch]
 
     adapter.FormulaRecognizer._generate = instant
-    serve("127.0.0.1", port)
+    serve(host, port)
 
 
 def cpu_seconds(process: psutil.Process) -> tuple[float, float]:
@@ -68,46 +63,26 @@ def cpu_seconds(process: psutil.Process) -> tuple[float, float]:
 
 
 def measure(env: dict[str, str], args, images: list[bytes]) -> dict:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    full_env = {**os.environ, "OTEL_SDK_DISABLED": "false", "TEXEL_LOG_FORMAT": "text", **env}
-    full_env |= {"TEXEL_IMAGE__ENABLED": "false", "TEXEL_FORMULA__MAX_QUEUE": "4096"}
-    command = [sys.executable, "-m", "bench.serving_cost", "--instant", str(port)]
-    log = (Path("/tmp") / f"texel-serving-cost-{port}.log").open("wb")
-    server = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=log, stderr=log)
+    env = {**env, "TEXEL_IMAGE__ENABLED": "false", "TEXEL_FORMULA__MAX_QUEUE": "4096"}
+    server = ServerProcess(env, entry=("bench.serving_cost", "--instant"))
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not become ready; see {log.name}")
-            try:
-                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
         workload = json_workload("/recognize", images)
-        closed_loop_processes(url, workload, args.concurrency, args.warmup, 0.5, 1)  # warm
-        process = psutil.Process(server.pid)
+        closed_loop_processes(server.url, workload, args.concurrency, args.warmup, 0.5, 1)
+        process = psutil.Process(server.process.pid)
         own_before, children_before = cpu_seconds(process)
-        result = closed_loop_processes(url, workload, args.concurrency, args.duration, 0.0, 1)
+        result = closed_loop_processes(server.url, workload, args.concurrency, args.duration, 0, 1)
         own_after, children_after = cpu_seconds(process)
-        summary = result.summary()
-        per_request = 1000 / max(1, summary["requests"])
-        return {
-            "throughput_rps": summary["throughput_rps"],
-            "requests": summary["requests"],
-            "errors": summary["errors"],
-            "server_cpu_ms_per_request": round((own_after - own_before) * per_request, 3),
-            "worker_cpu_ms_per_request": round((children_after - children_before) * per_request, 3),
-        }
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
+        server.stop()
+    summary = result.summary()
+    per_request = 1000 / max(1, summary["requests"])
+    return {
+        "throughput_rps": summary["throughput_rps"],
+        "requests": summary["requests"],
+        "errors": summary["errors"],
+        "server_cpu_ms_per_request": round((own_after - own_before) * per_request, 3),
+        "worker_cpu_ms_per_request": round((children_after - children_before) * per_request, 3),
+    }
 
 
 def main() -> None:
@@ -118,10 +93,13 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each configuration")
-    parser.add_argument("--instant", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    # How ServerProcess starts the instant stand-in: --instant --host H --port P.
+    parser.add_argument("--instant", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.instant:
-        serve_instant(args.instant)
+        serve_instant(args.host, args.port)
         return
     images = formula_images(args.data, args.images)
     print(f"{machine()}; commit {commit()}; concurrency {args.concurrency}, {args.duration:g} s\n")

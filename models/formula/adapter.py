@@ -8,6 +8,7 @@ and cost, run a batch on a device, postprocess one result.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -141,9 +142,9 @@ class FormulaRecognizer:
 
     # -- per request ---------------------------------------------------------
 
-    @property
+    @functools.cached_property
     def preprocessor(self) -> FormulaPreprocessor:
-        """The picklable preprocessing step, for a worker process (the model is loaded)."""
+        """The picklable preprocessing step, also for a worker process (once loaded)."""
         return FormulaPreprocessor(self._spec, self.bucket_step, self.max_pixels)
 
     def preprocess(self, data: bytes) -> FormulaInput:
