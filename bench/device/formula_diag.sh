@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One call on an `nvidia-h200-x2` machine (device tool): GPU 0 continues the formula
+# model; GPU 1 runs Texel at concurrency 128 once per serving setting (each record names
+# its TEXEL_/OTEL_ settings), with py-spy GIL profiles of the default and of the last
+# setting. Results, profiles and the model come back under $OUT (8 files at most).
+#   carry: .whl .fd .gb (bench/device/bundle.sh); the image model moved out of the tree
+#   command: bash bench/device/formula_diag.sh COMMIT [TRAIN_MINUTES]
+T0=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TEXEL_COMMIT=$1 TEXEL_REQUEST_TIMEOUT_S=300
+mkdir -p /tmp/d /tmp/b /tmp/spy && tar xJf .fd/fd.tar.xz -C /tmp/d && tar xf .gb/bench_images.tar -C /tmp/b
+MINUTES=${2:-7.0}
+(
+    CUDA_VISIBLE_DEVICES=0 timeout $(python3 -c "print(int($MINUTES * 60 + 90))") \
+        python3 -m models.formula.train \
+        --data /tmp/d/im2latex-val --init-from models/formula/default --out /tmp/fm \
+        --steps 100000 --max-minutes "$MINUTES" --batch-size 256 --lr 3e-4 --warmup 100 \
+        --real-fraction 0.3 --eval-every 0 --dev-limit 256 --workers 18 --seed "$RANDOM" \
+        --log /tmp/formula.jsonl > $OUT/train.log 2>&1
+    echo "train rc=$? at $(( $(date +%s) - T0 ))s" >> $OUT/train.log
+    tar cf - -C /tmp fm | split -b 15m - $OUT/fm.tar.
+) &
+TRAIN=$!
+L=$OUT/bench.log
+B="--data /tmp/b --duration 10 --warmup 2 --client-processes 4 --max-batch-size 128"
+cmp() {  # cmp LABEL ARGS...: py-spy files (if any) are kept under LABEL
+    local label=$1; shift
+    echo "=== $label: $* at $(( $(date +%s) - T0 ))s" >> $L
+    timeout 300 python3 -m bench.compare $B --out /tmp/spy/r.jsonl "$@" >> $L 2>&1 \
+        || { echo "rc=$?"; tail -40 "$(ls -t /tmp/texel-test-*.log | head -1)"; } >> $L
+    for f in /tmp/spy/py-spy-*; do [ -e "$f" ] && mv "$f" "/tmp/spy/$label-${f##*/py-spy-}"; done
+}
+export CUDA_VISIBLE_DEVICES=1
+cmp default --servers texel,model-only,litserve --concurrency 128 --py-spy-at 128
+TEXEL_PREPROCESS_PROCESSES=8 cmp procs8 --servers texel --concurrency 128
+TEXEL_PREPROCESS_THREADS=4 cmp threads4 --servers texel --concurrency 128
+OTEL_SDK_DISABLED=true cmp otel-off --servers texel --concurrency 128
+TEXEL_PREPROCESS_PROCESSES=8 OTEL_TRACES_SAMPLER=parentbased_traceidratio \
+    OTEL_TRACES_SAMPLER_ARG=0.01 cmp procs8-sampled --servers texel --concurrency 128,256 --py-spy-at 128
+echo "=== gpu1 done at $(( $(date +%s) - T0 ))s" >> $L
+cp /tmp/spy/r.jsonl $OUT/h200-diag.jsonl
+tar cJf $OUT/spy.tar.xz -C /tmp/spy --exclude r.jsonl .
+wait $TRAIN
+echo "=== all done at $(( $(date +%s) - T0 ))s" >> $L
