@@ -339,3 +339,30 @@ def test_merged_widths_decode_as_each_row_would_alone(tiny_model_dir) -> None:
     generate.load()
     generate.warmup(cpu, max_batch_size=4)
     assert not generate.uses_static_decoder(cpu) and not generate.merge_buckets
+
+
+def test_encoder_rows_padded_to_a_batch_bucket_decode_the_same(tiny_model_dir) -> None:
+    """The CUDA path pads each encoder group up to a batch bucket (few shapes, one graph
+    each); the padding rows must not change any real row's tokens."""
+    from transformers import VisionEncoderDecoderModel
+
+    model = VisionEncoderDecoderModel.from_pretrained(tiny_model_dir).eval()
+    groups = [_pixels(3, 256, seed=1), _pixels(1, 128, seed=2)]  # padded to 4 and 1 rows
+    decoders = [
+        StaticGreedyDecoder(
+            model,
+            max_batch_size=6,
+            max_new_tokens=MAX_NEW_TOKENS,
+            max_source_len=TINY_SOURCE_LEN,
+            pad_encoder_rows=pad,
+        )
+        for pad in (False, True)
+    ]
+    plain, padded = (decoder.decode(groups) for decoder in decoders)
+    assert decoders[1].pad_encoder_rows and not decoders[1].use_cuda_graphs
+    assert torch.equal(plain, padded)
+    solo = [decoders[0].decode(group[i : i + 1]) for group in groups for i in range(len(group))]
+    width = max(row.shape[1] for row in solo)
+    for i, row in enumerate(solo):
+        assert torch.equal(padded[i, : row.shape[1]], row[0]), f"row {i}"
+        assert width >= row.shape[1]

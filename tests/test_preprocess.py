@@ -92,3 +92,18 @@ def test_a_spec_round_trips_through_its_preprocessor_config(tmp_path):
     spec = FormulaImageSpec(height=48, max_width=768, width_multiple=16, max_upscale=2.0)
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(spec.to_preprocessor_config()))
     assert FormulaImageSpec.from_pretrained(tmp_path) == spec
+
+
+def test_device_normalization_matches_pad_and_normalize() -> None:
+    """The server normalizes uint8 strips with torch on the model's device; training and
+    evaluation use numpy. Both must give the model the same float32 values."""
+    import torch
+
+    from models.formula.preprocess import normalize_pixels, pad_strips
+
+    rng = np.random.default_rng(3)
+    strips = [rng.integers(0, 256, (SPEC.height, w), dtype=np.uint8) for w in (10, 64, 37)]
+    expected = pad_and_normalize(strips, 64, SPEC)
+    got = normalize_pixels(torch.from_numpy(pad_strips(strips, 64)), SPEC)
+    assert got.dtype == torch.float32 and tuple(got.shape) == expected.shape
+    assert np.array_equal(got.numpy(), expected)

@@ -32,7 +32,8 @@ from models.formula.preprocess import (
     FormulaInput,
     FormulaPreprocessor,
     bucket_width,
-    pad_and_normalize,
+    normalize_pixels,
+    pad_strips,
 )
 
 # Encoders whose position information copes with any input width.
@@ -134,7 +135,7 @@ class FormulaRecognizer:
         blank = np.full((spec.height, spec.width_multiple), 255, dtype=np.uint8)
         key = str(device)
         if self._use_static_decoder(key):
-            self._decoders[key] = self._static_decoder(key, widths[-1], max_batch_size)
+            self._decoders[key] = self._static_decoder(key, widths, max_batch_size)
         for width in widths:
             self._generate(key, [FormulaInput(blank, width)], lambda: False, max_new_tokens=2)
         batch = [FormulaInput(blank, widths[0])] * max_batch_size
@@ -202,11 +203,11 @@ class FormulaRecognizer:
             return True
         return usable
 
-    def _static_decoder(self, device: str, widest: int, max_batch_size: int):
+    def _static_decoder(self, device: str, widths: list[int], max_batch_size: int):
         """A static-cache decoder sized for the widest bucket and the largest batch."""
         model = self._models[device]
-        blank = np.full((self._spec.height, widest), 255, dtype=np.uint8)
-        pixels = self._pixels([FormulaInput(blank, widest)], device)
+        blank = np.full((self._spec.height, widths[-1]), 255, dtype=np.uint8)
+        pixels = self._pixels([FormulaInput(blank, widths[-1])], device)
         with torch.inference_mode():
             source_len = model.encoder(pixel_values=pixels).last_hidden_state.shape[1]
         decoder = StaticGreedyDecoder(
@@ -215,7 +216,8 @@ class FormulaRecognizer:
             max_new_tokens=self.max_new_tokens,
             max_source_len=source_len,
         )
-        decoder.warmup()  # captures every batch size's CUDA graph before readiness
+        # Captures every batch size's CUDA graph, and the encoder's for every width.
+        decoder.warmup([(pixels.shape[1], pixels.shape[2], width) for width in widths])
         return decoder
 
     @property
@@ -241,11 +243,16 @@ class FormulaRecognizer:
         return [FormulaTokens(row, elapsed / longest) for row in per_row]
 
     def _pixels(self, items: list[FormulaInput], device: str) -> torch.Tensor:
-        """Strips padded to their widest bucket, normalized, on the model's device."""
+        """Strips padded to their widest bucket, normalized, on the model's device.
+
+        The bytes travel as uint8 (a quarter of float32) and are normalized on the
+        device, in float32 as `pad_and_normalize` does, so the values are the same.
+        """
         model = self._models[device]
         width = max(item.bucket for item in items)
-        pixels = torch.from_numpy(pad_and_normalize([i.strip for i in items], width, self._spec))
-        return pixels.to(model.device, dtype=model.dtype, non_blocking=True)
+        strips = torch.from_numpy(pad_strips([i.strip for i in items], width))
+        pixels = normalize_pixels(strips.to(model.device, non_blocking=True), self._spec)
+        return pixels.to(model.dtype)
 
     def _decode_static(
         self, decoder: StaticGreedyDecoder, batch, should_stop, max_new_tokens

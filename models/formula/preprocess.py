@@ -183,14 +183,27 @@ def prepare_strip(image: Image.Image, spec: FormulaImageSpec) -> np.ndarray:
     return np.asarray(fit_to_height(gray, spec), dtype=np.uint8)
 
 
-def pad_and_normalize(strips: list[np.ndarray], width: int, spec: FormulaImageSpec) -> np.ndarray:
-    """Stack strips into a float32 batch [N, C, H, width], padded with white on the right."""
-    batch = np.full((len(strips), spec.height, width), 255, dtype=np.uint8)
+def pad_strips(strips: list[np.ndarray], width: int) -> np.ndarray:
+    """Stack strips into a uint8 batch [N, H, width], padded with white on the right."""
+    height = strips[0].shape[0]
+    batch = np.full((len(strips), height, width), 255, dtype=np.uint8)
     for i, strip in enumerate(strips):
         w = min(width, strip.shape[1])
         batch[i, :, :w] = strip[:, :w]
-    pixels = (batch.astype(np.float32) / 255.0 - spec.mean) / spec.std
+    return batch
+
+
+def pad_and_normalize(strips: list[np.ndarray], width: int, spec: FormulaImageSpec) -> np.ndarray:
+    """Stack strips into a float32 batch [N, C, H, width], padded with white on the right."""
+    pixels = (pad_strips(strips, width).astype(np.float32) / 255.0 - spec.mean) / spec.std
     return np.repeat(pixels[:, None], spec.channels, axis=1)
+
+
+def normalize_pixels(batch, spec: FormulaImageSpec):
+    """`pad_and_normalize`'s arithmetic on a uint8 torch batch [N, H, W], on its device:
+    float32 [N, C, H, W] with the same values."""
+    pixels = (batch.float() / 255.0 - spec.mean) / spec.std
+    return pixels[:, None].expand(-1, spec.channels, -1, -1)
 
 
 @dataclass(frozen=True)
