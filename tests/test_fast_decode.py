@@ -366,3 +366,26 @@ def test_encoder_rows_padded_to_a_batch_bucket_decode_the_same(tiny_model_dir) -
     for i, row in enumerate(solo):
         assert torch.equal(padded[i, : row.shape[1]], row[0]), f"row {i}"
         assert width >= row.shape[1]
+
+
+def test_pixels_staged_in_an_upload_buffer_match_the_plain_path(tiny_model_dir) -> None:
+    """On CUDA the strips of each width group are padded into consecutive slices of one
+    pinned buffer and copied asynchronously; the values must be those of the plain path."""
+    from models.formula.adapter import FormulaInput, FormulaRecognizer
+
+    cpu = torch.device("cpu")
+    recognizer = FormulaRecognizer(str(tiny_model_dir), [cpu])
+    recognizer.load()
+    height = recognizer.spec.height
+    rng = np.random.default_rng(1)
+    groups = [
+        [FormulaInput(rng.integers(0, 256, (height, w), dtype=np.uint8), b) for w, b in sizes]
+        for sizes in (((40, 64), (60, 64)), ((120, 128),), ((200, 256), (250, 256)))
+    ]
+    staging = torch.full((6 * height * 256,), 7, dtype=torch.uint8)  # stale bytes
+    used = 0
+    for items in groups:
+        staged = recognizer._pixels(items, "cpu", staging[used:])
+        assert torch.equal(staged, recognizer._pixels(items, "cpu"))
+        used += staged[:, 0].numel()
+    assert used == height * (2 * 64 + 128 + 2 * 256)

@@ -4,14 +4,15 @@
 # its TEXEL_/OTEL_ settings), with py-spy GIL profiles of the default and of the last
 # setting. Results, profiles and the model come back under $OUT (8 files at most).
 #   carry: .whl .fd .gb (bench/device/bundle.sh); the image model moved out of the tree
-#   command: bash bench/device/formula_diag.sh COMMIT [TRAIN_MINUTES]
+#   command: bash bench/device/formula_diag.sh COMMIT [TRAIN_MINUTES]  (0: one GPU, no training)
 T0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TEXEL_COMMIT=$1 TEXEL_REQUEST_TIMEOUT_S=300
 mkdir -p /tmp/d /tmp/b /tmp/spy && tar xJf .fd/fd.tar.xz -C /tmp/d && tar xf .gb/bench_images.tar -C /tmp/b
 MINUTES=${2:-7.0}
-(
+[ "$MINUTES" = 0 ] && BENCH_GPU=0 || BENCH_GPU=1
+[ "$MINUTES" = 0 ] || (
     CUDA_VISIBLE_DEVICES=0 timeout $(python3 -c "print(int($MINUTES * 60 + 90))") \
         python3 -m models.formula.train \
         --data /tmp/d/im2latex-val --init-from models/formula/default --out /tmp/fm \
@@ -31,15 +32,15 @@ cmp() {  # cmp LABEL ARGS...: py-spy files (if any) are kept under LABEL
         || { echo "rc=$?"; tail -40 "$(ls -t /tmp/texel-test-*.log | head -1)"; } >> $L
     for f in /tmp/spy/py-spy-*; do [ -e "$f" ] && mv "$f" "/tmp/spy/$label-${f##*/py-spy-}"; done
 }
-export CUDA_VISIBLE_DEVICES=1
-cmp default --servers texel,model-only,litserve --concurrency 128 --py-spy-at 128
-TEXEL_PREPROCESS_PROCESSES=8 cmp procs8 --servers texel --concurrency 128
-TEXEL_PREPROCESS_THREADS=4 cmp threads4 --servers texel --concurrency 128
-OTEL_SDK_DISABLED=true cmp otel-off --servers texel --concurrency 128
-TEXEL_PREPROCESS_PROCESSES=8 OTEL_TRACES_SAMPLER=parentbased_traceidratio \
-    OTEL_TRACES_SAMPLER_ARG=0.01 cmp procs8-sampled --servers texel --concurrency 128,256 --py-spy-at 128
+export CUDA_VISIBLE_DEVICES=$BENCH_GPU
+cmp default --servers texel --concurrency 128,256 --py-spy-at 128
+TEXEL_PREPROCESS_THREADS=8 cmp threads8 --servers texel --concurrency 128,256
+TEXEL_PREPROCESS_PROCESSES=8 cmp procs8 --servers texel --concurrency 128,256 --py-spy-at 128
+TEXEL_PREPROCESS_PROCESSES=4 cmp procs4 --servers texel --concurrency 128,256
+OTEL_TRACES_SAMPLER=parentbased_traceidratio OTEL_TRACES_SAMPLER_ARG=0.01 \
+    cmp sampled --servers texel --concurrency 128,256
 echo "=== gpu1 done at $(( $(date +%s) - T0 ))s" >> $L
 cp /tmp/spy/r.jsonl $OUT/h200-diag.jsonl
 tar cJf $OUT/spy.tar.xz -C /tmp/spy --exclude r.jsonl .
-wait $TRAIN
+[ "$MINUTES" = 0 ] || wait $TRAIN
 echo "=== all done at $(( $(date +%s) - T0 ))s" >> $L

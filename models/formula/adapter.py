@@ -100,6 +100,8 @@ class FormulaRecognizer:
         self._models: dict[str, VisionEncoderDecoderModel] = {}
         self._decoders: dict[str, StaticGreedyDecoder] = {}
         self._tokenizer_lock = threading.Lock()
+        # Per CUDA device: pinned upload buffer, and the event after its last copies.
+        self._uploads: dict[str, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -242,17 +244,41 @@ class FormulaRecognizer:
         longest = max((len(r) for r in per_row), default=1) or 1
         return [FormulaTokens(row, elapsed / longest) for row in per_row]
 
-    def _pixels(self, items: list[FormulaInput], device: str) -> torch.Tensor:
+    def _pixels(
+        self, items: list[FormulaInput], device: str, staging: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Strips padded to their widest bucket, normalized, on the model's device.
 
         The bytes travel as uint8 (a quarter of float32) and are normalized on the
         device, in float32 as `pad_and_normalize` does, so the values are the same.
+        With `staging` (pinned host memory, room for these strips) the copy is truly
+        asynchronous: the worker goes on queueing work instead of waiting for the GPU.
         """
         model = self._models[device]
         width = max(item.bucket for item in items)
-        strips = torch.from_numpy(pad_strips([i.strip for i in items], width))
-        pixels = normalize_pixels(strips.to(model.device, non_blocking=True), self._spec)
+        strips = [i.strip for i in items]
+        if staging is None:
+            host = torch.from_numpy(pad_strips(strips, width))
+        else:
+            host = staging[: len(items) * self._spec.height * width]
+            host = host.view(len(items), self._spec.height, width)
+            pad_strips(strips, width, out=host.numpy())
+        pixels = normalize_pixels(host.to(model.device, non_blocking=True), self._spec)
         return pixels.to(model.dtype)
+
+    def _staging(self, decoder: StaticGreedyDecoder) -> torch.Tensor | None:
+        """The device's pinned upload buffer (CUDA only), free once the last batch's copies
+        are done: room for a full batch at the widest bucket."""
+        if decoder.device.type != "cuda":
+            return None
+        key = str(decoder.device)
+        if key not in self._uploads:
+            size = decoder.max_batch_size * self._spec.height * self._spec.max_width
+            self._uploads[key] = (torch.empty(size, dtype=torch.uint8, pin_memory=True), None)
+        staging, copied = self._uploads[key]
+        if copied is not None:
+            copied.synchronize()
+        return staging
 
     def _decode_static(
         self, decoder: StaticGreedyDecoder, batch, should_stop, max_new_tokens
@@ -263,7 +289,15 @@ class FormulaRecognizer:
         groups: dict[int, list[FormulaInput]] = {}
         for i in order:
             groups.setdefault(batch[i].bucket, []).append(batch[i])
-        pixels = [self._pixels(items, device) for items in groups.values()]
+        staging = self._staging(decoder)
+        pixels, used = [], 0
+        for items in groups.values():
+            pixels.append(self._pixels(items, device, None if staging is None else staging[used:]))
+            used += pixels[-1][:, 0].numel()
+        if staging is not None:
+            copied = torch.cuda.Event()
+            copied.record()
+            self._uploads[device] = (staging, copied)
         output = decoder.decode(pixels, max_new_tokens=max_new_tokens, should_stop=should_stop)
         rows = output.tolist()
         ids: list[list[int]] = [[] for _ in batch]

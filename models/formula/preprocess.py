@@ -183,10 +183,12 @@ def prepare_strip(image: Image.Image, spec: FormulaImageSpec) -> np.ndarray:
     return np.asarray(fit_to_height(gray, spec), dtype=np.uint8)
 
 
-def pad_strips(strips: list[np.ndarray], width: int) -> np.ndarray:
-    """Stack strips into a uint8 batch [N, H, width], padded with white on the right."""
+def pad_strips(strips: list[np.ndarray], width: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Stack strips into a uint8 batch [N, H, width], padded with white on the right
+    (into `out` when given, such as a view of pinned memory)."""
     height = strips[0].shape[0]
-    batch = np.full((len(strips), height, width), 255, dtype=np.uint8)
+    batch = np.empty((len(strips), height, width), dtype=np.uint8) if out is None else out
+    batch.fill(255)
     for i, strip in enumerate(strips):
         w = min(width, strip.shape[1])
         batch[i, :, :w] = strip[:, :w]
