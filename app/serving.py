@@ -13,6 +13,7 @@ import io
 import logging
 import multiprocessing
 import os
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -167,10 +168,13 @@ class Runtime:
 
     async def start(self) -> None:
         self.loop_watch = asyncio.get_running_loop().create_task(watch_event_loop())
+        devices = resolve_devices(self.settings.device)
+        count, interval_ms = process_plan(self.settings, devices, os.cpu_count() or 2)
+        if interval_ms is not None:
+            sys.setswitchinterval(interval_ms / 1000)
         threads = self.settings.preprocess_threads or (os.cpu_count() or 2)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="texel-preprocess")
-        if self.settings.preprocess_processes:
-            count = self.settings.preprocess_processes
+        if count:
             # spawn: forking a process that may already hold CUDA state is unsafe
             context = multiprocessing.get_context("spawn")
             self.processes = ProcessPoolExecutor(
@@ -181,7 +185,7 @@ class Runtime:
             )
             for _ in range(count):  # start them now, not on the first requests
                 self.processes.submit(os.getpid)
-        self.models = _build_models(self.settings)
+        self.models = _build_models(self.settings, devices)
         # Load in the background: /livez answers at once and /readyz reports progress.
         self.loader = asyncio.get_running_loop().create_task(self._load_all())
 
@@ -228,10 +232,26 @@ class Runtime:
             executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _build_models(settings: Settings) -> dict[str, ServedModel]:
+def process_plan(settings: Settings, devices, cores: int) -> tuple[int, float | None]:
+    """Preprocessing processes and thread switch interval (ms, None: Python's default).
+
+    Unset settings follow the devices. On a GPU the serving process's interpreter lock
+    is the bottleneck (measured on an H200, README: Performance): image decoding moves
+    to worker processes, and the switch interval drops to 0.5 ms, so a GPU worker that
+    waited for the GPU gets the lock back within 0.5 ms instead of 5. On a CPU the
+    model computes in torch without the lock, and both stay as Python has them.
+    """
+    on_gpu = any(device.type == "cuda" for device in devices)
+    count = settings.preprocess_processes
+    if count is None:
+        count = min(8, cores // 2) if on_gpu and settings.formula.enabled else 0
+    interval_ms = settings.switch_interval_ms or (0.5 if on_gpu else None)
+    return count, interval_ms
+
+
+def _build_models(settings: Settings, devices) -> dict[str, ServedModel]:
     # Each model family imports its libraries only when enabled: a formula-only
     # replica never imports diffusers.
-    devices = resolve_devices(settings.device)
     served: dict[str, ServedModel] = {}
     if settings.formula.enabled:
         from models.formula.adapter import FormulaRecognizer

@@ -112,11 +112,19 @@ class Settings(BaseSettings):
     preprocess_threads: int = Field(
         0, ge=0, description="Threads decoding images; 0 means one per CPU core."
     )
-    preprocess_processes: int = Field(
-        0,
+    preprocess_processes: int | None = Field(
+        None,
         ge=0,
         description="Worker processes decoding formula images, away from the serving "
-        "process's interpreter lock; 0 decodes on the threads above.",
+        "process's interpreter lock; 0 decodes on the threads above. Unset: "
+        "min(8, cores / 2) when formulas run on a GPU, else 0.",
+    )
+    switch_interval_ms: float | None = Field(
+        None,
+        gt=0,
+        description="Python's thread switch interval in the serving process. Unset: 0.5 "
+        "when a model runs on a GPU (its worker reacquires the interpreter lock after "
+        "every GPU synchronization), else Python's default (5).",
     )
     formula: FormulaSettings = Field(default_factory=FormulaSettings)
     image: ImageSettings = Field(default_factory=ImageSettings)

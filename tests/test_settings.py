@@ -41,3 +41,19 @@ def test_invalid_values_are_refused(monkeypatch):
     monkeypatch.setenv("TEXEL_FORMULA__MAX_BATCH_SIZE", "0")
     with pytest.raises(ValidationError):
         Settings()
+
+
+def test_process_plan_follows_the_devices_unless_set() -> None:
+    import torch
+
+    from app.serving import process_plan
+
+    cpu, gpu = [torch.device("cpu")], [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert process_plan(Settings(), cpu, cores=2) == (0, None)
+    assert process_plan(Settings(), gpu, cores=16) == (8, 0.5)
+    assert process_plan(Settings(), gpu, cores=6) == (3, 0.5)
+    set_explicitly = Settings(preprocess_processes=0, switch_interval_ms=5)
+    assert process_plan(set_explicitly, gpu, cores=16) == (0, 5)
+    assert process_plan(Settings(preprocess_processes=2), cpu, cores=2) == (2, None)
+    images_only = Settings(formula={"enabled": False})
+    assert process_plan(images_only, gpu, cores=16) == (0, 0.5)

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # One call on an `nvidia-h200-x2` machine (device tool), as run for the README's H200
-# figures: GPU 0 continues the formula model; GPU 1 measures the encoder's per-shape
-# cost, runs the single-GPU comparison (py-spy profile at concurrency 128) and the
-# batched-vs-alone equivalence. Results, profiles and the model come back under $OUT
+# figures: GPU 0 continues the formula model; GPU 1 runs the single-GPU comparison,
+# the batched-vs-alone equivalence and Texel with each GPU default set back. Results, profiles and the model come back under $OUT
 # (8 files at most).
 #   carry: .whl .fd .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/formula_gpu.sh COMMIT [MINUTES [LR [REAL_FRACTION [SEED]]]]
@@ -32,10 +31,12 @@ run() {
     timeout "$@" >> $L 2>&1 || { echo "rc=$?"; tail -30 "$(ls -t /tmp/texel-test-*.log | head -1)"; } >> $L
 }
 export CUDA_VISIBLE_DEVICES=$BENCH_GPU
-run 120 python3 -m bench.encoder_shapes
-run 300 python3 -m bench.compare $B --servers texel,model-only,litserve --concurrency 1,8,32,128,256 --py-spy-at 128
+run 300 python3 -m bench.compare $B --servers texel,model-only,litserve --concurrency 1,8,32,128,256
 run 120 python3 -m bench.compare $B --servers texel-nobatch --concurrency 1,128
 run 150 python3 -m bench.equivalence --data /tmp/b --images 500 --batch-size 128 --out $OUT/equivalence.jsonl
+# What each GPU default is worth: Texel with one of them set back (records carry the env).
+TEXEL_SWITCH_INTERVAL_MS=5 run 90 python3 -m bench.compare $B --servers texel --concurrency 128,256
+TEXEL_PREPROCESS_PROCESSES=0 run 90 python3 -m bench.compare $B --servers texel --concurrency 128,256
 echo "=== gpu1 done at $(( $(date +%s) - T0 ))s" >> $L
 for f in $OUT/py-spy-*; do [ -e "$f" ] && mv "$f" /tmp/spy/; done
 tar cJf $OUT/spy.tar.xz -C /tmp/spy .
