@@ -171,6 +171,8 @@ class StaticGreedyDecoder:
         self._graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self._pool = None
         self._warned_capture = False
+        self._host_step = 0  # the step index, as Python counts it (eager decoding)
+        self._source_len = max_source_len  # the loaded batch's longest source
         self._encoder_graphs: dict[tuple[int, ...], _EncoderGraph | None] = {}
         self._encoder_pool = None
         self._encoder_input: torch.Tensor | None = None  # flat; each graph views a prefix
@@ -247,9 +249,12 @@ class StaticGreedyDecoder:
         batch = sum(group.shape[0] for group in groups)
         if batch > self.max_batch_size:
             raise ValueError(f"batch of {batch} exceeds max_batch_size={self.max_batch_size}")
-        bucket = next(b for b in _batch_buckets(self.max_batch_size) if b >= batch)
+        bucket = batch  # eagerly, no padding rows; a graph per batch bucket otherwise
+        if self.use_cuda_graphs:
+            bucket = next(b for b in _batch_buckets(self.max_batch_size) if b >= batch)
         run = self._runner(bucket)  # captures first if warmup() did not
         self.source_mask.fill_(self.neg)
+        self._source_len = 1
         row = 0
         for group in groups:
             self._load_source(group.to(self.device, self.dtype), row)
@@ -289,6 +294,7 @@ class StaticGreedyDecoder:
         self.cross_k[:, rows, :, :source_len].copy_(kv[0, :, :count])
         self.cross_v[:, rows, :, :source_len].copy_(kv[1, :, :count])
         self.source_mask[rows, ..., :source_len] = 0
+        self._source_len = max(self._source_len, source_len)
 
     def _encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Cross-attention K and V of every decoder layer: [2, layers, rows, heads, S, D]."""
@@ -303,6 +309,7 @@ class StaticGreedyDecoder:
     def _reset(self, batch: int, bucket: int) -> None:
         """Start state: step 0, start tokens, dummy rows beyond `batch` already finished."""
         self.step_index.zero_()
+        self._host_step = 0
         self.tokens.fill_(self.start_id)
         self.finished.zero_()
         self.finished[batch:bucket] = True
@@ -346,16 +353,24 @@ class StaticGreedyDecoder:
         return hidden
 
     def _layer(
-        self, i: int, layer: nn.Module, hidden: torch.Tensor, bucket: int, self_mask: torch.Tensor
+        self,
+        i: int,
+        layer: nn.Module,
+        hidden: torch.Tensor,
+        bucket: int,
+        self_mask: torch.Tensor | None,
+        lengths: tuple[int, int],
     ) -> torch.Tensor:
-        """One post-LN TrOCR decoder layer for a single new position."""
+        """One post-LN TrOCR decoder layer for a single new position, attending to the
+        first `lengths` = (cache, source) positions of the buffers."""
+        cache_len, source_len = lengths
         attn = layer.self_attn
         self.self_k[i, :bucket].index_copy_(2, self.step_index, self._heads(attn.k_proj(hidden)))
         self.self_v[i, :bucket].index_copy_(2, self.step_index, self._heads(attn.v_proj(hidden)))
         out = F.scaled_dot_product_attention(
             self._heads(attn.q_proj(hidden) * self.scaling),
-            self.self_k[i, :bucket],
-            self.self_v[i, :bucket],
+            self.self_k[i, :bucket, :, :cache_len],
+            self.self_v[i, :bucket, :, :cache_len],
             attn_mask=self_mask,
             scale=1.0,
         )
@@ -364,9 +379,9 @@ class StaticGreedyDecoder:
         cross = layer.encoder_attn
         out = F.scaled_dot_product_attention(
             self._heads(cross.q_proj(hidden) * self.scaling),
-            self.cross_k[i, :bucket],
-            self.cross_v[i, :bucket],
-            attn_mask=self.source_mask[:bucket],
+            self.cross_k[i, :bucket, :, :source_len],
+            self.cross_v[i, :bucket, :, :source_len],
+            attn_mask=self.source_mask[:bucket, ..., :source_len],
             scale=1.0,
         )
         hidden = layer.encoder_attn_layer_norm(hidden + cross.out_proj(self._merge(out)))
@@ -378,12 +393,19 @@ class StaticGreedyDecoder:
         """Feed the current tokens, pick the next ones greedily, advance the step index."""
         tokens = self.tokens[:bucket]
         hidden = self._embed(tokens)
-        # Cache positions after the current step are masked out; one mask for every layer.
-        self_mask = torch.zeros_like(self.cache_positions, dtype=self.dtype).masked_fill_(
-            self.cache_positions > self.step_index, self.neg
-        )[None]
+        if self.use_cuda_graphs:
+            # Graph-ready: whole buffers, positions after the current step masked out
+            # (one mask for every layer).
+            self_mask = torch.zeros_like(self.cache_positions, dtype=self.dtype).masked_fill_(
+                self.cache_positions > self.step_index, self.neg
+            )[None]
+            lengths = (self.cache_positions.shape[0], self.max_source_len)
+        else:
+            # Eager: Python knows the step, so attention reads only the filled cache
+            # positions and the batch's longest source, not the whole buffers.
+            self_mask, lengths = None, (self._host_step + 1, self._source_len)
         for i, layer in enumerate(self.decoder.layers):
-            hidden = self._layer(i, layer, hidden, bucket, self_mask)
+            hidden = self._layer(i, layer, hidden, bucket, self_mask, lengths)
         logits = self.lm_head(hidden[:, 0]).float()
         finished = self.finished[:bucket]
         chosen = torch.where(finished, self.pad_id, logits.argmax(dim=-1))
@@ -396,6 +418,7 @@ class StaticGreedyDecoder:
         tokens.copy_(chosen)
         self.output[:bucket].index_copy_(1, self.step_index + 1, chosen[:, None])
         self.step_index += 1
+        self._host_step += 1
 
     # -- CUDA graphs ---------------------------------------------------------
 
