@@ -22,8 +22,8 @@ from typing import Any
 from opentelemetry.trace import Link
 
 from app.settings import ModelSettings, Settings
-from app.workers import exit_with_parent
 from batching import Batcher, BatchPolicy, Worker
+from batching.process_runner import ProcessRunner, exit_with_parent
 from models.devices import resolve_devices
 from telemetry import BatchTelemetry, RequestTrace, metrics
 from telemetry.bottleneck import BottleneckSampler, watch_event_loop
@@ -34,10 +34,20 @@ log = logging.getLogger(__name__)
 class ServedModel:
     """One adapter, its per-device workers and its batcher."""
 
-    def __init__(self, key: str, adapter: Any, settings: ModelSettings, timeout_s: float) -> None:
+    def __init__(
+        self,
+        key: str,
+        adapter: Any,
+        settings: ModelSettings,
+        timeout_s: float,
+        worker_processes: bool = False,
+    ) -> None:
         self.key = key
         self.adapter = adapter
         self.settings = settings
+        # Batches run in one child process per device (adapters with `worker_factory`).
+        self.worker_processes = worker_processes and hasattr(adapter, "worker_factory")
+        self.runners: list[ProcessRunner] = []
         self.timeout_s = timeout_s
         self.state = "loading"
         self.error: str | None = None
@@ -65,13 +75,13 @@ class ServedModel:
         workers = []
         try:
             first = executor_for(self.key, self.adapter.devices[0])
-            await loop.run_in_executor(first, self.adapter.load)
+            if self.worker_processes:
+                await loop.run_in_executor(first, lambda: self.adapter.load(weights=False))
+            else:
+                await loop.run_in_executor(first, self.adapter.load)
             for device in self.adapter.devices:
                 executor = executor_for(self.key, device)
-                await loop.run_in_executor(
-                    executor, self.adapter.warmup, device, self.settings.max_batch_size
-                )
-                workers.append(Worker(str(device), self.adapter.runner(device), executor))
+                workers.append(Worker(str(device), await self._runner(device, executor), executor))
         except Exception as exc:
             self.state = "failed"
             self.error = f"{type(exc).__name__}: {exc}"
@@ -98,6 +108,27 @@ class ServedModel:
             ", ".join(w.name for w in workers),
             time.perf_counter() - started,
         )
+
+    async def _runner(self, device, executor):
+        """Warm `device` up and return what runs its batches: the adapter's runner on
+        the device's thread, or a worker process that loads and warms up on its own."""
+        loop = asyncio.get_running_loop()
+        max_batch = self.settings.max_batch_size
+        if not self.worker_processes:
+            await loop.run_in_executor(executor, self.adapter.warmup, device, max_batch)
+            return self.adapter.runner(device)
+        runner = ProcessRunner(
+            self.adapter.worker_factory(device, max_batch), name=f"texel-{self.key}-{device}"
+        )
+        self.runners.append(runner)
+        info = await loop.run_in_executor(executor, runner.start)
+        self.adapter.attach_worker(device, info)
+        log.info("%s worker for %s runs in process %s", self.key, device, runner.pid)
+        return runner
+
+    def close(self) -> None:
+        for runner in self.runners:
+            runner.close()
 
     async def submit(self, trace: RequestTrace, payload: Any) -> Any:
         """Queue a preprocessed payload; record `queue.wait` and `generate` spans."""
@@ -224,6 +255,7 @@ class Runtime:
         for model in self.models.values():
             if model.batcher is not None:
                 await model.batcher.close()
+            await asyncio.to_thread(model.close)
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
         if self.processes is not None:
@@ -269,7 +301,13 @@ def _build_models(settings: Settings, devices) -> dict[str, ServedModel]:
             decoder=f.decoder,
             merge_buckets=f.merge_buckets,
         )
-        served["formula"] = ServedModel("formula", adapter, f, settings.request_timeout_s)
+        served["formula"] = ServedModel(
+            "formula",
+            adapter,
+            f,
+            settings.request_timeout_s,
+            worker_processes=settings.worker_processes,
+        )
     if settings.image.enabled:
         from models.image.adapter import ImageGenerator
 

@@ -119,6 +119,11 @@ class Settings(BaseSettings):
         "process's interpreter lock; 0 decodes on the threads above. Unset: "
         "min(8, cores / 2) when formulas run on a GPU, else 0.",
     )
+    worker_processes: bool = Field(
+        False,
+        description="Run each device's formula batches in a worker process of its own "
+        "(its own interpreter lock), not on a thread of the serving process.",
+    )
     switch_interval_ms: float | None = Field(
         None,
         gt=0,

@@ -37,6 +37,8 @@ run 150 python3 -m bench.equivalence --data /tmp/b --images 500 --batch-size 128
 # What each GPU default is worth: Texel with one of them set back (records carry the env).
 TEXEL_SWITCH_INTERVAL_MS=5 run 90 python3 -m bench.compare $B --servers texel --concurrency 128,256
 TEXEL_PREPROCESS_PROCESSES=0 run 90 python3 -m bench.compare $B --servers texel --concurrency 128,256
+# Not yet measured: the formula batches in a worker process of their own.
+TEXEL_WORKER_PROCESSES=true run 90 python3 -m bench.compare $B --servers texel --concurrency 128,256
 echo "=== gpu1 done at $(( $(date +%s) - T0 ))s" >> $L
 for f in $OUT/py-spy-*; do [ -e "$f" ] && mv "$f" /tmp/spy/; done
 tar cJf $OUT/spy.tar.xz -C /tmp/spy .

@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from transformers import (
+    AutoConfig,
     AutoTokenizer,
+    GenerationConfig,
     StoppingCriteria,
     StoppingCriteriaList,
     VisionEncoderDecoderModel,
@@ -99,21 +101,39 @@ class FormulaRecognizer:
         self.tokenizer = None
         self._models: dict[str, VisionEncoderDecoderModel] = {}
         self._decoders: dict[str, StaticGreedyDecoder] = {}
+        # Devices whose batches run in a worker process (`worker_factory`), and
+        # whether each uses the static decoder there.
+        self._remote: dict[str, bool] = {}
+        self._options = {
+            "source": source,
+            "name": name,
+            "dtype": dtype,
+            "bucket_step": bucket_step,
+            "num_beams": num_beams,
+            "max_new_tokens": max_new_tokens,
+            "max_pixels": max_pixels,
+            "decoder": decoder,
+            "merge_buckets": merge_buckets,
+        }
         self._tokenizer_lock = threading.Lock()
         # Per CUDA device: pinned upload buffer, and the event after its last copies.
         self._uploads: dict[str, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
 
     # -- lifecycle -----------------------------------------------------------
 
-    def load(self) -> None:
-        """Load the tokenizer once and one model replica per device."""
+    def load(self, weights: bool = True) -> None:
+        """Load the tokenizer once and one model replica per device.
+
+        `weights=False` loads only what the serving process needs around the model
+        (tokenizer, image spec, token limit) when worker processes run the batches.
+        """
         transformers_logging.disable_progress_bar()  # a server's log is not a terminal
         self.tokenizer = AutoTokenizer.from_pretrained(self.source)
-        for device in self.devices:
+        for device in self.devices if weights else []:
             dtype = resolve_dtype(self.dtype_setting, device, torch.bfloat16)
             model = VisionEncoderDecoderModel.from_pretrained(self.source, dtype=dtype)
             self._models[str(device)] = model.to(device).eval()
-        config = next(iter(self._models.values())).config
+        config = AutoConfig.from_pretrained(self.source)
         processor_file = cached_file(self.source, "preprocessor_config.json")
         self.spec = FormulaImageSpec.from_pretrained(
             Path(processor_file).parent,
@@ -121,7 +141,10 @@ class FormulaRecognizer:
             fixed_size=not accepts_any_width(config.encoder),
         )
         if self.max_new_tokens is None:
-            generation = next(iter(self._models.values())).generation_config
+            try:
+                generation = GenerationConfig.from_pretrained(self.source)
+            except OSError:  # no generation_config.json
+                generation = None
             self.max_new_tokens = int(getattr(generation, "max_new_tokens", None) or 256)
 
     def warmup(self, device: torch.device, max_batch_size: int) -> None:
@@ -174,15 +197,26 @@ class FormulaRecognizer:
 
         return run
 
+    def worker_factory(self, device: torch.device, max_batch_size: int):
+        """What a worker process runs to serve `device`: a picklable call that loads
+        this model there, warms it up and returns `(runner, info)` (`ProcessRunner`)."""
+        options = {**self._options, "max_new_tokens": self.max_new_tokens}
+        return functools.partial(_worker_process, options, str(device), max_batch_size)
+
+    def attach_worker(self, device: torch.device, info: dict) -> None:
+        """Record that `device`'s batches run in a worker process, as its `info` says."""
+        self._remote[str(device)] = bool(info.get("static_decoder"))
+
     @property
     def merge_buckets(self) -> bool:
         """Merge width buckets only where every device decodes rows independently of
         their padding (the static decoder); `generate()` would see the wider padding."""
-        return self.merge_setting and len(self._decoders) == len(self._models) > 0
+        static = [self.uses_static_decoder(device) for device in self.devices]
+        return self.merge_setting and all(static)
 
     def uses_static_decoder(self, device: torch.device) -> bool:
         """Whether batches on `device` run Texel's static decoder (else `generate()`)."""
-        return str(device) in self._decoders
+        return str(device) in self._decoders or self._remote.get(str(device), False)
 
     def detokenize(self, tokens: FormulaTokens) -> str:
         """Token ids to normalized, space-separated LaTeX (the `tokenize` stage)."""
@@ -314,6 +348,15 @@ class FormulaRecognizer:
             stopping_criteria=StoppingCriteriaList([_StopWhen(should_stop)]),
         )
         return output.tolist()
+
+
+def _worker_process(options: dict, device: str, max_batch_size: int):
+    """In a worker process: load and warm up the model on `device`; its batch runner."""
+    target = torch.device(device)
+    recognizer = FormulaRecognizer(devices=[target], **options)
+    recognizer.load()
+    recognizer.warmup(target, max_batch_size)
+    return recognizer.runner(target), {"static_decoder": recognizer.uses_static_decoder(target)}
 
 
 def compact_latex(latex: str) -> str:

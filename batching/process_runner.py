@@ -1,0 +1,142 @@
+"""A `BatchRunner` whose batches run in a child process, under its own interpreter lock.
+
+Why: in one process the GPU worker shares Python's interpreter lock with the event
+loop and every other thread. A GPU worker gives the lock up at each GPU
+synchronization and then waits to get it back while the event loop parses HTTP; on an
+H200 a formula batch took twice as long served as alone for that reason (README,
+Benchmarks). In a child process the model has an interpreter to itself; the serving
+process's compute thread only sends the payloads and waits on a pipe.
+
+`build` is a picklable callable that runs in the child: it loads the model, warms it
+up and returns `(runner, info)`; `info` (a small picklable dict) comes back from
+`start()`. The child is spawned (never forked: the parent may hold CUDA state) and
+exits when the pipe closes or the parent dies. A batch's exception is re-raised in
+the parent, so `OutOfMemory` still splits batches; `should_stop` is relayed to the
+child through a shared flag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from batching.batcher import BatchRunner, ShouldStop
+from batching.errors import BatchFailed
+
+Build = Callable[[], tuple[BatchRunner, dict]]
+
+
+class ProcessRunner:
+    """Runs batches in one spawned child process; call `start()` once, then call it."""
+
+    def __init__(self, build: Build, name: str, poll_s: float = 0.005) -> None:
+        self.build = build
+        self.name = name
+        self.poll_s = poll_s
+        self.info: dict = {}
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self._stop = context.Event()
+        self._process = context.Process(
+            target=_serve,
+            args=(build, child_conn, self._stop, os.getpid()),
+            name=name,
+            daemon=True,
+        )
+        self._child_conn = child_conn
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def start(self) -> dict:
+        """Start the child and block until it has loaded and warmed up; its `info`."""
+        self._process.start()
+        self._child_conn.close()  # the child holds its end; EOF here means it died
+        kind, value = self._receive()
+        if kind != "ready":
+            self.close()
+            raise value
+        self.info = value
+        return value
+
+    def __call__(self, payloads: list[Any], should_stop: ShouldStop) -> list[Any]:
+        self._stop.clear()
+        self._conn.send(payloads)
+        while not self._conn.poll(self.poll_s):
+            if not self._stop.is_set() and should_stop():
+                self._stop.set()
+        kind, value = self._receive()
+        if kind == "error":
+            raise value
+        return value
+
+    def close(self) -> None:
+        """Ask the child to exit, then make sure it has."""
+        with contextlib.suppress(OSError, ValueError):
+            self._conn.send(None)
+        self._process.join(timeout=5)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(timeout=5)
+        self._conn.close()
+
+    def _receive(self) -> tuple[str, Any]:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            code = self._process.exitcode
+            return "error", BatchFailed(f"worker process {self.name} died (exit code {code})")
+
+
+def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """In a child process: end it once the process that started it is gone.
+
+    Process pools and `ProcessRunner` notice an orderly shutdown, but not a parent
+    killed outright (SIGKILL, OOM killer); their children would live on, orphaned.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="texel-parent-watch", daemon=True).start()
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return BatchFailed(f"{type(exc).__name__}: {exc}")
+
+
+def _serve(build: Build, conn, stop, parent_pid: int) -> None:
+    """The child: build the runner, report ready, then run batches until told to stop."""
+    exit_with_parent(parent_pid)
+    try:
+        run, info = build()
+    except BaseException as exc:  # reported to start(), which raises it in the parent
+        conn.send(("error", _picklable(exc)))
+        return
+    conn.send(("ready", info))
+    while True:
+        try:
+            payloads = conn.recv()
+        except (EOFError, OSError):
+            return
+        if payloads is None:
+            return
+        try:
+            result = run(payloads, stop.is_set)
+        except Exception as exc:
+            conn.send(("error", _picklable(exc)))
+        else:
+            conn.send(("ok", result))

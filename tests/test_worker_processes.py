@@ -1,0 +1,109 @@
+"""Batches run in a worker process of their own (`TEXEL_WORKER_PROCESSES`)."""
+
+from __future__ import annotations
+
+import functools
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from batching import OutOfMemory
+from batching.process_runner import ProcessRunner
+from tests.test_preprocess_processes import TEXTS, formula_png, recognize_all
+
+# -- the runner, with a plain function in the child ---------------------------
+
+
+def _doubler(payloads, should_stop):
+    if "boom" in payloads:
+        raise ValueError("boom in the child")
+    if "oom" in payloads:
+        raise OutOfMemory("does not fit")
+    if "wait" in payloads:  # until the parent says stop
+        deadline = time.monotonic() + 30
+        while not should_stop() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return ["stopped" if should_stop() else "timed out"]
+    return [p * 2 for p in payloads]
+
+
+def build_doubler(fail: bool = False):
+    if fail:
+        raise RuntimeError("could not load the model")
+    return _doubler, {"ready_at": time.time()}
+
+
+@pytest.fixture
+def runner():
+    runner = ProcessRunner(build_doubler, name="texel-test-worker")
+    yield runner
+    runner.close()
+
+
+def test_a_worker_process_runs_batches_and_reports_its_errors(runner):
+    info = runner.start()
+    assert "ready_at" in info and runner.pid is not None
+    assert psutil.Process(runner.pid).ppid() == psutil.Process().pid
+    assert runner([1, 2, 3], lambda: False) == [2, 4, 6]
+    with pytest.raises(ValueError, match="boom in the child"):
+        runner(["boom"], lambda: False)
+    with pytest.raises(OutOfMemory):  # the batcher splits a batch on this one
+        runner(["oom"], lambda: False)
+    assert runner(["a"], lambda: False) == ["aa"]  # still serving after errors
+
+
+def test_should_stop_reaches_the_worker_process(runner):
+    runner.start()
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    started = time.monotonic()
+    assert runner(["wait"], stop.is_set) == ["stopped"]
+    assert time.monotonic() - started < 10
+
+
+def test_a_worker_that_cannot_load_fails_start_and_exits():
+    runner = ProcessRunner(functools.partial(build_doubler, fail=True), name="texel-test-fail")
+    with pytest.raises(RuntimeError, match="could not load the model"):
+        runner.start()
+    assert not psutil.pid_exists(runner.pid) or psutil.Process(runner.pid).status() == "zombie"
+
+
+def test_a_dead_worker_fails_its_batch_clearly(runner):
+    runner.start()
+    psutil.Process(runner.pid).kill()
+    psutil.Process(runner.pid).wait(10)
+    with pytest.raises(Exception, match="died|Broken pipe|closed"):
+        runner([1], lambda: False)
+
+
+# -- a real server --------------------------------------------------------------
+
+
+def test_a_server_with_worker_processes_gives_the_same_answers(start_server):
+    images = [formula_png(text, size=(120 + 40 * i, 48)) for i, text in enumerate(TEXTS)]
+    threads = start_server(TEXEL_FORMULA__MAX_WAIT_MS="50")
+    expected = recognize_all(threads, images)
+    threads.stop()
+
+    server = start_server(TEXEL_WORKER_PROCESSES="true", TEXEL_FORMULA__MAX_WAIT_MS="50")
+    children = psutil.Process(server.process.pid).children(recursive=True)
+    workers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+    assert len(workers) == 1, [c.cmdline() for c in children]  # one device: the CPU
+    assert recognize_all(server, images) == expected
+    with server.client() as client:
+        # The serving process still sees every batch and every stage.
+        metrics = client.get("/metrics").text
+        batches = [
+            line for line in metrics.splitlines() if line.startswith("texel_batch_size_count")
+        ]
+        assert batches and float(batches[0].split()[-1]) >= 1, batches
+        assert 'stage="generate"' in metrics and "texel_output_tokens" in metrics
+        truncated = client.post("/recognize", files={"image": ("f.png", images[0][:200])})
+        assert truncated.status_code == 400, truncated.text
+
+    server.stop(signal.SIGKILL)  # killed outright, the worker still goes
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, [p.pid for p in alive]
