@@ -24,16 +24,26 @@ def recognize_all(proc, images: list[bytes]) -> list[str]:
         return list(pool.map(one, images))
 
 
-def test_worker_processes_give_the_same_answers_and_the_same_errors(start_server):
+def formulas_and_threaded_answers(start_server) -> tuple[list[bytes], list[str]]:
+    """Six rendered formulas and what a server with default settings answers for them."""
     images = [formula_png(text, size=(120 + 40 * i, 48)) for i, text in enumerate(TEXTS)]
     threads = start_server(TEXEL_FORMULA__MAX_WAIT_MS="50")
     expected = recognize_all(threads, images)
     threads.stop()
+    return images, expected
 
+
+def spawned_workers(proc) -> list[psutil.Process]:
+    """The server's spawned child processes."""
+    children = psutil.Process(proc.process.pid).children(recursive=True)
+    return [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+
+
+def test_worker_processes_give_the_same_answers_and_the_same_errors(start_server):
+    images, expected = formulas_and_threaded_answers(start_server)
     processes = start_server(TEXEL_PREPROCESS_PROCESSES="2", TEXEL_FORMULA__MAX_WAIT_MS="50")
-    children = psutil.Process(processes.process.pid).children(recursive=True)
-    workers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
-    assert len(workers) == 2, [c.cmdline() for c in children]
+    workers = spawned_workers(processes)
+    assert len(workers) == 2, [c.cmdline() for c in workers]
     assert recognize_all(processes, images) == expected
 
     with processes.client() as client:  # an error raised in a worker process is still a 4xx

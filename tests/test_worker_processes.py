@@ -12,7 +12,11 @@ import pytest
 
 from batching import OutOfMemory
 from batching.process_runner import ProcessRunner
-from tests.test_preprocess_processes import TEXTS, formula_png, recognize_all
+from tests.test_preprocess_processes import (
+    formulas_and_threaded_answers,
+    recognize_all,
+    spawned_workers,
+)
 
 # -- the runner, with a plain function in the child ---------------------------
 
@@ -83,15 +87,10 @@ def test_a_dead_worker_fails_its_batch_clearly(runner):
 
 
 def test_a_server_with_worker_processes_gives_the_same_answers(start_server):
-    images = [formula_png(text, size=(120 + 40 * i, 48)) for i, text in enumerate(TEXTS)]
-    threads = start_server(TEXEL_FORMULA__MAX_WAIT_MS="50")
-    expected = recognize_all(threads, images)
-    threads.stop()
-
+    images, expected = formulas_and_threaded_answers(start_server)
     server = start_server(TEXEL_WORKER_PROCESSES="true", TEXEL_FORMULA__MAX_WAIT_MS="50")
-    children = psutil.Process(server.process.pid).children(recursive=True)
-    workers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
-    assert len(workers) == 1, [c.cmdline() for c in children]  # one device: the CPU
+    workers = spawned_workers(server)
+    assert len(workers) == 1, [c.cmdline() for c in workers]  # one device: the CPU
     assert recognize_all(server, images) == expected
     with server.client() as client:
         # The serving process still sees every batch and every stage.

@@ -450,19 +450,14 @@ class StaticGreedyDecoder:
                 self._encoder_kv = torch.empty(
                     (2, *self.cross_k.shape), device=self.device, dtype=self.dtype
                 )
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._encode(inputs)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(
-                graph, pool=self._encoder_pool, capture_error_mode="thread_local"
-            ):
-                kv = self._encode(inputs)
-                out = self._encoder_kv[:, :, :rows, :, : kv.shape[-2]]
-                out.copy_(kv)
+            source_len = self._encode(inputs[:1]).shape[-2]
+            out = self._encoder_kv[:, :, :rows, :, :source_len]
+            graph = _capture_graph(
+                lambda: out.copy_(self._encode(inputs)),
+                self._encoder_pool,
+                warm=lambda: self._encode(inputs),
+                warmups=2,
+            )
             return _EncoderGraph(graph, inputs, out)
         except Exception as exc:  # this shape encodes eagerly instead
             if not self._warned_capture:
@@ -476,22 +471,29 @@ class StaticGreedyDecoder:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             self._reset(bucket, bucket)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    self._step(bucket)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                for _ in range(self.steps_per_run):
-                    self._step(bucket)
-            return graph
+            return _capture_graph(
+                lambda: self._steps(bucket), self._pool, warm=lambda: self._step(bucket), warmups=3
+            )
         except Exception as exc:  # any capture failure falls back to eager decoding
             if not self._warned_capture:
                 logger.warning("CUDA graph capture failed (%s); decoding eagerly", exc)
                 self._warned_capture = True
             return None
+
+
+def _capture_graph(run: Callable, pool, *, warm: Callable, warmups: int) -> torch.cuda.CUDAGraph:
+    """`warm()` `warmups` times on a side stream (allocations settle, kernels load), then
+    one `run()` captured as a CUDA graph drawing on the memory pool `pool`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            warm()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        run()
+    return graph
 
 
 class _EncoderGraph:
