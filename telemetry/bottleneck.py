@@ -111,8 +111,8 @@ def classify(sample: Sample) -> Verdict:
     if loop_late:
         why += (
             f"; the event loop runs {lag * 1000:.0f} ms late: it, or threads holding the GIL, "
-            "keep requests waiting (fewer preprocessing threads, TEXEL_PREPROCESS_PROCESSES, "
-            "lower trace sampling)"
+            "keep requests waiting (TEXEL_PREPROCESS_PROCESSES, TEXEL_WORKER_PROCESSES, "
+            "fewer preprocessing threads, lower trace sampling)"
         )
     if dominant:
         why += f"; most request time is in '{dominant}' ({shares[dominant]:.0%})"
