@@ -320,7 +320,13 @@ def _build_models(settings: Settings, devices) -> dict[str, ServedModel]:
             max_steps=i.max_steps,
             max_side=i.max_side,
         )
-        served["image"] = ServedModel("image", adapter, i, settings.request_timeout_s)
+        served["image"] = ServedModel(
+            "image",
+            adapter,
+            i,
+            settings.request_timeout_s,
+            worker_processes=settings.worker_processes,
+        )
     return served
 
 

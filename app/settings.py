@@ -121,8 +121,8 @@ class Settings(BaseSettings):
     )
     worker_processes: bool = Field(
         False,
-        description="Run each device's formula batches in a worker process of its own "
-        "(its own interpreter lock), not on a thread of the serving process.",
+        description="Run each model's batches on each device in a worker process of its "
+        "own (its own interpreter lock), not on a thread of the serving process.",
     )
     switch_interval_ms: float | None = Field(
         None,

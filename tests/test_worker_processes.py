@@ -86,23 +86,39 @@ def test_a_dead_worker_fails_its_batch_clearly(runner):
 # -- a real server --------------------------------------------------------------
 
 
+def generated_png(proc, seed: int) -> str:
+    with proc.client() as client:
+        response = client.post("/generate", json={"prompt": "a red circle", "seed": seed})
+    assert response.status_code == 200, response.text
+    return response.json()["images"][0]["png_base64"]
+
+
 def test_a_server_with_worker_processes_gives_the_same_answers(start_server):
     images, expected = formulas_and_threaded_answers(start_server)
+    threads = start_server()
+    expected_image = generated_png(threads, seed=5)
+    threads.stop()
+
     server = start_server(TEXEL_WORKER_PROCESSES="true", TEXEL_FORMULA__MAX_WAIT_MS="50")
     workers = spawned_workers(server)
-    assert len(workers) == 1, [c.cmdline() for c in workers]  # one device: the CPU
+    assert len(workers) == 2, [c.cmdline() for c in workers]  # formulas and images, on the CPU
     assert recognize_all(server, images) == expected
+    assert generated_png(server, seed=5) == expected_image
     with server.client() as client:
         # The serving process still sees every batch and every stage.
         metrics = client.get("/metrics").text
         batches = [
             line for line in metrics.splitlines() if line.startswith("texel_batch_size_count")
         ]
-        assert batches and float(batches[0].split()[-1]) >= 1, batches
+        assert len(batches) == 2 and all(float(b.split()[-1]) >= 1 for b in batches), batches
         assert 'stage="generate"' in metrics and "texel_output_tokens" in metrics
         truncated = client.post("/recognize", files={"image": ("f.png", images[0][:200])})
         assert truncated.status_code == 400, truncated.text
+        too_many_steps = client.post(
+            "/generate", json={"prompt": "x", "num_inference_steps": 10**4}
+        )
+        assert too_many_steps.status_code == 422, too_many_steps.text
 
-    server.stop(signal.SIGKILL)  # killed outright, the worker still goes
+    server.stop(signal.SIGKILL)  # killed outright, the workers still go
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive, [p.pid for p in alive]

@@ -9,6 +9,7 @@ steps and guidance share one pipeline call.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import json
 import secrets
@@ -100,12 +101,23 @@ class ImageGenerator:
         self._pipes: dict[str, DiffusionPipeline] = {}
         self._tokenizer_lock = threading.Lock()
         self._prompt_tokenizer = None
+        self._options = {
+            "source": source,
+            "name": name,
+            "dtype": dtype,
+            "max_steps": max_steps,
+            "max_side": max_side,
+        }
 
     # -- lifecycle -----------------------------------------------------------
 
-    def load(self) -> None:
+    def load(self, weights: bool = True) -> None:
+        """One pipeline per device. `weights=False` loads nothing: with worker processes
+        the pipelines live there, and `attach_worker` brings back what requests need."""
         diffusers_logging.disable_progress_bar()  # a server's log is not a terminal
         transformers_logging.disable_progress_bar()
+        if not weights:
+            return
         for device in self.devices:
             dtype = resolve_dtype(self.dtype_setting, device, torch.float16)
             pipe = DiffusionPipeline.from_pretrained(self.source, torch_dtype=dtype)
@@ -117,6 +129,17 @@ class ImageGenerator:
         # request path gets its own copy, never the one the pipeline uses in its thread.
         tokenizer = getattr(first, "tokenizer", None)
         self._prompt_tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
+
+    def worker_factory(self, device: torch.device, max_batch_size: int):
+        """What a worker process runs to serve `device`: a picklable call that loads the
+        pipeline there, warms it up and returns `(runner, info)` (`ProcessRunner`)."""
+        return functools.partial(_worker_process, self._options, str(device), max_batch_size)
+
+    def attach_worker(self, device: torch.device, info: dict) -> None:
+        """Take the defaults and the prompt tokenizer a worker process loaded."""
+        self.defaults = info["defaults"]
+        self.size_multiple = info["size_multiple"]
+        self._prompt_tokenizer = info["tokenizer"]
 
     def warmup(self, device: torch.device, max_batch_size: int) -> None:
         """One full batch at the default settings on `device`, on its worker thread."""
@@ -259,3 +282,18 @@ class ImageGenerator:
             out.append(GeneratedImages(images[start : start + count], job.seeds, step_times))
             start += count
         return out
+
+
+def _worker_process(options: dict, device: str, max_batch_size: int):
+    """In a worker process: load and warm up the pipeline on `device`; its batch runner,
+    and what the serving process needs to validate and tokenize requests."""
+    target = torch.device(device)
+    generator = ImageGenerator(devices=[target], **options)
+    generator.load()
+    generator.warmup(target, max_batch_size)
+    info = {
+        "defaults": generator.defaults,
+        "size_multiple": generator.size_multiple,
+        "tokenizer": generator._prompt_tokenizer,
+    }
+    return generator.runner(target), info
