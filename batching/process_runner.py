@@ -18,6 +18,7 @@ child through a shared flag.
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import pickle
@@ -31,34 +32,42 @@ from batching.errors import BatchFailed
 
 Build = Callable[[], tuple[BatchRunner, dict]]
 
+log = logging.getLogger(__name__)
+
 
 class ProcessRunner:
-    """Runs batches in one spawned child process; call `start()` once, then call it."""
+    """Runs batches in one spawned child process; call `start()` once, then call it.
+
+    A child that dies fails the batch it was running (`BatchFailed`), and is started
+    again, loading and warming up anew, before the next batch.
+    """
 
     def __init__(self, build: Build, name: str, poll_s: float = 0.005) -> None:
         self.build = build
         self.name = name
         self.poll_s = poll_s
         self.info: dict = {}
-        context = multiprocessing.get_context("spawn")
-        self._conn, child_conn = context.Pipe()
-        self._stop = context.Event()
-        self._process = context.Process(
-            target=_serve,
-            args=(build, child_conn, self._stop, os.getpid()),
-            name=name,
-            daemon=True,
-        )
-        self._child_conn = child_conn
+        self.restarts = 0
+        self._context = multiprocessing.get_context("spawn")
+        self._stop = self._context.Event()
+        self._process = None
+        self._conn = None
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid
+        return None if self._process is None else self._process.pid
 
     def start(self) -> dict:
         """Start the child and block until it has loaded and warmed up; its `info`."""
+        self._conn, child_conn = self._context.Pipe()
+        self._process = self._context.Process(
+            target=_serve,
+            args=(self.build, child_conn, self._stop, os.getpid()),
+            name=self.name,
+            daemon=True,
+        )
         self._process.start()
-        self._child_conn.close()  # the child holds its end; EOF here means it died
+        child_conn.close()  # the child holds its end; EOF here means it died
         kind, value = self._receive()
         if kind != "ready":
             self.close()
@@ -67,18 +76,26 @@ class ProcessRunner:
         return value
 
     def __call__(self, payloads: list[Any], should_stop: ShouldStop) -> list[Any]:
+        if not self._process.is_alive():
+            self._restart()
         self._stop.clear()
-        self._conn.send(payloads)
-        while not self._conn.poll(self.poll_s):
-            if not self._stop.is_set() and should_stop():
-                self._stop.set()
-        kind, value = self._receive()
+        try:
+            self._conn.send(payloads)
+        except OSError:
+            kind, value = "error", self._died()
+        else:
+            while not self._conn.poll(self.poll_s):
+                if not self._stop.is_set() and should_stop():
+                    self._stop.set()
+            kind, value = self._receive()
         if kind == "error":
             raise value
         return value
 
     def close(self) -> None:
         """Ask the child to exit, then make sure it has."""
+        if self._process is None:
+            return
         with contextlib.suppress(OSError, ValueError):
             self._conn.send(None)
         self._process.join(timeout=5)
@@ -87,12 +104,27 @@ class ProcessRunner:
             self._process.join(timeout=5)
         self._conn.close()
 
+    def _restart(self) -> None:
+        log.warning(
+            "worker process %s (pid %s) exited with code %s; starting it again",
+            self.name,
+            self.pid,
+            self._process.exitcode,
+        )
+        self.close()
+        self.restarts += 1
+        self.start()
+
     def _receive(self) -> tuple[str, Any]:
         try:
             return self._conn.recv()
         except (EOFError, OSError):
-            code = self._process.exitcode
-            return "error", BatchFailed(f"worker process {self.name} died (exit code {code})")
+            return "error", self._died()
+
+    def _died(self) -> BatchFailed:
+        self._process.join(timeout=5)
+        code = self._process.exitcode
+        return BatchFailed(f"worker process {self.name} died (exit code {code})")
 
 
 def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:

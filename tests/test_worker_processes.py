@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import threading
 import time
@@ -10,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from batching import OutOfMemory
+from batching import BatchFailed, OutOfMemory
 from batching.process_runner import ProcessRunner
 from tests.test_preprocess_processes import (
     formulas_and_threaded_answers,
@@ -26,6 +27,8 @@ def _doubler(payloads, should_stop):
         raise ValueError("boom in the child")
     if "oom" in payloads:
         raise OutOfMemory("does not fit")
+    if "die" in payloads:
+        os._exit(3)
     if "wait" in payloads:  # until the parent says stop
         deadline = time.monotonic() + 30
         while not should_stop() and time.monotonic() < deadline:
@@ -75,12 +78,21 @@ def test_a_worker_that_cannot_load_fails_start_and_exits():
     assert not psutil.pid_exists(runner.pid) or psutil.Process(runner.pid).status() == "zombie"
 
 
-def test_a_dead_worker_fails_its_batch_clearly(runner):
+def test_a_worker_that_dies_fails_its_batch_and_is_started_again(runner):
     runner.start()
-    psutil.Process(runner.pid).kill()
-    psutil.Process(runner.pid).wait(10)
-    with pytest.raises(Exception, match="died|Broken pipe|closed"):
-        runner([1], lambda: False)
+    first = runner.pid
+    with pytest.raises(BatchFailed, match="died .exit code 3"):
+        runner(["die"], lambda: False)
+    assert runner([1], lambda: False) == [2]  # a new worker, loaded anew
+    assert runner.restarts == 1 and runner.pid != first
+
+    victim = psutil.Process(runner.pid)
+    victim.kill()  # killed between batches; left for the runner to notice
+    deadline = time.monotonic() + 10
+    while victim.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert runner([2], lambda: False) == [4]
+    assert runner.restarts == 2
 
 
 # -- a real server --------------------------------------------------------------
