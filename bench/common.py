@@ -49,6 +49,16 @@ def commit() -> str:
     return sha or "unknown"
 
 
+def settings_env() -> dict[str, str]:
+    """Texel and OpenTelemetry settings given in the environment beyond a command's own,
+    for a record to name what it ran with."""
+    return {
+        k: v
+        for k, v in sorted(os.environ.items())
+        if k.startswith(("TEXEL_", "OTEL_")) or k == "CUDA_VISIBLE_DEVICES"
+    }
+
+
 def append_records(records: list[dict], path: Path) -> None:
     """Append benchmark records to a JSON-lines results file."""
     path.parent.mkdir(parents=True, exist_ok=True)

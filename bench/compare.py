@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import append_records, commit, formula_images, machine
+from bench.common import append_records, commit, formula_images, machine, settings_env
 from bench.load import LoadResult, Workload, closed_loop_processes, open_loop
 from bench.server import ROOT, ServerProcess, free_port
 
@@ -197,12 +197,7 @@ def record(args, server: str, concurrency, result: LoadResult | None, **extra) -
         "gpu": gpu_name(),
         "commit": commit(),
         "command": "python -m bench.compare " + " ".join(args.argv),
-        # Texel and OpenTelemetry settings given in the environment beyond the command's own
-        "env": {
-            k: v
-            for k, v in sorted(os.environ.items())
-            if k.startswith(("TEXEL_", "OTEL_")) or k == "CUDA_VISIBLE_DEVICES"
-        },
+        "env": settings_env(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     if result is not None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import append_records, commit
+from bench.common import append_records, commit, settings_env
 from bench.compare import gpu_name, gpu_results_file
 from bench.load import Workload, closed_loop_processes
 from bench.server import ServerProcess
@@ -201,7 +201,8 @@ def main() -> None:
     out = args.out or gpu_results_file()
     base = {"scenario": "image", "gpu": gpu_name(), "commit": commit(),
             "command": "python -m bench.compare_image " + " ".join(sys.argv[1:]),
-            "model": f"{args.size} (random weights)", "steps": args.steps}  # fmt: skip
+            "model": f"{args.size} (random weights)", "steps": args.steps,
+            "env": settings_env()}  # fmt: skip
     records = []
     with tempfile.TemporaryDirectory(prefix="texel-sd-") as tmp:
         model = build_pipeline(Path(tmp), SD15 if args.size == "sd15" else TINY,

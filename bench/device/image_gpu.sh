@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on an `nvidia-h200-x2` machine (device tool): GPU 1 continues the image model's
 # UNet and text encoder and sweeps steps x guidance; GPU 0 runs the SD-1.5-sized image
-# benchmark and then batched-vs-alone equivalence of the formula model.
+# benchmark, batched-vs-alone equivalence of the formula model, and the image benchmark
+# again with worker processes.
 #   carry: .whl .whlx .gb (bench/device/bundle.sh); the formula model stays in the tree
 #   command: bash bench/device/image_gpu.sh COMMIT [UNET_SECONDS]
 T0=$(date +%s)
@@ -27,5 +28,8 @@ timeout 240 python3 -m bench.compare_image --size sd15 --batch-sizes 1,4,8 --ste
     --duration 15 --warmup 5 --out $OUT/h200.jsonl > $OUT/bench.log 2>&1
 timeout 120 python3 -m bench.equivalence --data /tmp/b --images 500 --batch-size 128 \
     --out $OUT/equivalence.jsonl >> $OUT/bench.log 2>&1
+# Not yet measured: batches in a worker process of their own (TEXEL_WORKER_PROCESSES).
+TEXEL_WORKER_PROCESSES=true timeout 150 python3 -m bench.compare_image --size sd15 \
+    --batch-sizes 4,8 --steps 20 --duration 15 --warmup 5 --out $OUT/h200.jsonl >> $OUT/bench.log 2>&1
 echo "bench done at $(( $(date +%s) - T0 ))s" >> $OUT/bench.log
 wait $TRAIN
