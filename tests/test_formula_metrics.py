@@ -107,3 +107,17 @@ def test_rename_variables_is_consistent():
     rng = np.random.default_rng(3)
     renamed = FormulaComposer.rename_variables(["a", "+", "a", "=", "b"], rng)
     assert renamed[0] == renamed[2]
+
+
+def test_scores_by_length_put_each_formula_in_its_bin() -> None:
+    from models.formula.evaluate import by_length
+
+    references = ["a + b", " ".join("x" * 30), " ".join("y" * 130), "c"]
+    hypotheses = ["a + b", " ".join("x" * 29), " ".join("y" * 130), "d"]
+    rows = by_length(references, hypotheses).splitlines()[2:]
+    cells = [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+    assert [(c[0], c[1], c[4]) for c in cells] == [
+        ("0-19", "2", "50.0%"),
+        ("20-39", "1", "0.0%"),
+        ("120+", "1", "100.0%"),
+    ]

@@ -172,6 +172,29 @@ def markdown_table(scores: Scores, extra: dict[str, str] | None = None) -> str:
     return "\n".join(lines)
 
 
+LENGTH_BINS = (20, 40, 60, 80, 120)
+
+
+def by_length(references: Sequence[str], hypotheses: Sequence[str]) -> str:
+    """Scores per reference length (tokens), as a markdown table: where the errors are."""
+    bins: dict[str, tuple[list[str], list[str]]] = {}
+    for reference, hypothesis in zip(references, hypotheses, strict=True):
+        length = len(latex_tokens(reference))
+        low = max([0, *(edge for edge in LENGTH_BINS if edge <= length)])
+        high = next((edge for edge in LENGTH_BINS if edge > length), None)
+        label = f"{low}-{high - 1}" if high else f"{low}+"
+        refs, hyps = bins.setdefault(label, ([], []))
+        refs.append(reference)
+        hyps.append(hypothesis)
+    lines = ["| tokens | n | BLEU-4 | edit distance | exact match |", "|---|---:|---:|---:|---:|"]
+    for label in sorted(bins, key=lambda b: int(b.split("-")[0].rstrip("+"))):
+        s = score(*bins[label])
+        lines.append(
+            f"| {label} | {s.count} | {s.bleu4:.3f} | {s.edit_distance:.3f} | {s.exact_match:.1%} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default="../shared/data/im2latex-val", help="im2latex-val folder")
@@ -188,6 +211,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument(
         "--errors", type=int, default=0, help="print this many wrong transcriptions"
+    )
+    parser.add_argument(
+        "--by-length", action="store_true", help="also score by reference length in tokens"
     )
     args = parser.parse_args(argv)
     if args.threads:
@@ -217,6 +243,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"({lengths[typical]} tokens, {strips[typical].shape[1]} px wide)"
         )
     print(markdown_table(result, extra))
+    if args.by_length:
+        print("\n" + by_length(references, hypotheses))
     if args.errors:
         shown = 0
         for sample, hyp in zip(chosen, hypotheses, strict=True):
