@@ -22,8 +22,7 @@ from typing import Any
 from opentelemetry.trace import Link
 
 from app.settings import ModelSettings, Settings
-from batching import Batcher, BatchPolicy, Worker
-from batching.process_runner import ProcessRunner, exit_with_parent
+from batching import Batcher, BatchPolicy, ProcessRunner, Worker, exit_with_parent
 from models.devices import resolve_devices
 from telemetry import BatchTelemetry, RequestTrace, metrics
 from telemetry.bottleneck import BottleneckSampler, watch_event_loop

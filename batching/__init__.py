@@ -1,7 +1,8 @@
 """Texel's model-agnostic dynamic batcher.
 
 It knows nothing of HTTP or of any model: callers submit payloads with a bucket
-key, workers run lists of payloads. See `Batcher` for the request path and
+key, workers run lists of payloads, on a thread or, through `ProcessRunner`, in a
+process of their own. See `Batcher` for the request path and
 `BucketQueue` for the policy.
 """
 
@@ -15,6 +16,7 @@ from batching.errors import (
     OutOfMemory,
     QueueFull,
 )
+from batching.process_runner import ProcessRunner, exit_with_parent
 from batching.queue import BatchPlan, BatchPolicy, BucketQueue, DrainRate, Pending
 
 __all__ = [
@@ -33,6 +35,8 @@ __all__ = [
     "Draining",
     "OutOfMemory",
     "Pending",
+    "ProcessRunner",
     "QueueFull",
     "Worker",
+    "exit_with_parent",
 ]

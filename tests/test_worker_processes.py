@@ -11,8 +11,7 @@ import time
 import psutil
 import pytest
 
-from batching import BatchFailed, OutOfMemory
-from batching.process_runner import ProcessRunner
+from batching import BatchFailed, OutOfMemory, ProcessRunner
 from tests.test_preprocess_processes import (
     formulas_and_threaded_answers,
     recognize_all,
