@@ -1,7 +1,8 @@
 """Bottleneck diagnosis: which of the four quadrants is this server in?
 
-Over a window it samples process CPU (all cores, and the busiest thread, which
-catches a saturated event loop or GIL), how late the event loop ran its timers
+Over a window it samples the CPU of the serving process and its preprocessing and
+worker processes (all cores, and the busiest thread, which catches a saturated
+event loop or GIL), how late the event loop ran its timers
 (which catches threads contending for the GIL, where no one thread is busy), GPU
 utilization, and how the time spent in request stages splits between them; then
 names the quadrant:
@@ -140,8 +141,36 @@ def stage_totals() -> dict[str, float]:
     return totals
 
 
-def _thread_times(process: psutil.Process) -> dict[int, float]:
-    return {t.id: t.user_time + t.system_time for t in process.threads()}
+def _family(process: psutil.Process) -> list[psutil.Process]:
+    """This process and its live children: preprocessing and worker processes."""
+    return [process, *process.children(recursive=True)]
+
+
+def _cpu_times(processes: list[psutil.Process]) -> dict[int, float]:
+    """CPU seconds by process id, skipping any that exited meanwhile."""
+    times = {}
+    for process in processes:
+        try:
+            times[process.pid] = sum(process.cpu_times()[:2])
+        except psutil.Error:
+            continue
+    return times
+
+
+def _thread_times(processes: list[psutil.Process]) -> dict[tuple[int, int], float]:
+    times = {}
+    for process in processes:
+        try:
+            for t in process.threads():
+                times[(process.pid, t.id)] = t.user_time + t.system_time
+        except psutil.Error:
+            continue
+    return times
+
+
+def _delta(after: dict, before: dict) -> dict:
+    """Per key, what was spent between two readings (all of it for a key that is new)."""
+    return {key: value - before.get(key, 0.0) for key, value in after.items()}
 
 
 class BottleneckSampler:
@@ -168,8 +197,8 @@ class BottleneckSampler:
     async def sample(self, window_s: float = 10.0, interval_s: float = 0.25) -> Sample:
         cores = os.cpu_count() or 1
         start = time.monotonic()
-        cpu0 = sum(self._process.cpu_times()[:2])
-        threads0 = _thread_times(self._process)
+        family = _family(self._process)
+        cpu0, threads0 = _cpu_times(family), _thread_times(family)
         stages0 = self._stages()
         lag0 = self._loop_lag()
         gpu_samples: list[float] = []
@@ -179,17 +208,15 @@ class BottleneckSampler:
                 gpu_samples.append(reading)
             await asyncio.sleep(min(interval_s, max(0.0, window_s - (time.monotonic() - start))))
         elapsed = max(time.monotonic() - start, 1e-6)
-        cpu1 = sum(self._process.cpu_times()[:2])
-        threads1 = _thread_times(self._process)
+        family = _family(self._process)
+        cpu1, threads1 = _cpu_times(family), _thread_times(family)
         stages1 = self._stages()
         lag1 = self._loop_lag()
         lag_count = lag1[1] - lag0[1]
-        busiest = max(
-            ((threads1[t] - threads0.get(t, 0.0)) / elapsed for t in threads1), default=0.0
-        )
+        busiest = max(_delta(threads1, threads0).values(), default=0.0) / elapsed
         deltas = {k: v - stages0.get(k, 0.0) for k, v in stages1.items()}
         return Sample(
-            cpu_utilization=min(1.0, (cpu1 - cpu0) / (elapsed * cores)),
+            cpu_utilization=min(1.0, sum(_delta(cpu1, cpu0).values()) / (elapsed * cores)),
             busiest_thread_utilization=min(1.0, busiest),
             gpu_utilization=sum(gpu_samples) / len(gpu_samples) if gpu_samples else None,
             stage_seconds={k: v for k, v in deltas.items() if v > 0},

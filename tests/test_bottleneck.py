@@ -148,3 +148,24 @@ def test_the_server_reports_event_loop_lag(server):
     assert "texel_event_loop_lag_seconds_count" in text
     count = [ln for ln in text.splitlines() if ln.startswith("texel_event_loop_lag_seconds_count")]
     assert float(count[0].rsplit(" ", 1)[1]) > 0
+
+
+async def test_the_cpu_of_worker_processes_counts():
+    """Preprocessing and worker processes are children of the serving process; a busy
+    child is busy CPU of this server (a sampler blind to it would say 'starved')."""
+    import subprocess
+    import sys
+
+    from telemetry.bottleneck import BottleneckSampler
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # interpreter start-up
+        sampler = BottleneckSampler(gpu_probe=lambda: None, stages=dict, loop_lag=lambda: (0, 0))
+        sample = await sampler.sample(window_s=1.0, interval_s=0.2)
+    finally:
+        busy.kill()
+        busy.wait()
+    cores = os.cpu_count() or 1
+    assert sample.busiest_thread_utilization >= 0.6, sample
+    assert sample.cpu_utilization >= 0.6 / cores, sample
