@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import io
 import logging
 import multiprocessing
@@ -74,10 +75,10 @@ class ServedModel:
         workers = []
         try:
             first = executor_for(self.key, self.adapter.devices[0])
-            if self.worker_processes:
-                await loop.run_in_executor(first, lambda: self.adapter.load(weights=False))
-            else:
-                await loop.run_in_executor(first, self.adapter.load)
+            load = self.adapter.load
+            if self.worker_processes:  # the weights load in the worker processes instead
+                load = functools.partial(self.adapter.load, weights=False)
+            await loop.run_in_executor(first, load)
             for device in self.adapter.devices:
                 executor = executor_for(self.key, device)
                 workers.append(Worker(str(device), await self._runner(device, executor), executor))
@@ -267,7 +268,7 @@ def process_plan(settings: Settings, devices, cores: int) -> tuple[int, float | 
     """Preprocessing processes and thread switch interval (ms, None: Python's default).
 
     Unset settings follow the devices. On a GPU the serving process's interpreter lock
-    is the bottleneck (measured on an H200, README: Performance): image decoding moves
+    is the bottleneck (measured on an H200, README: Benchmarks): image decoding moves
     to worker processes, and the switch interval drops to 0.5 ms, so a GPU worker that
     waited for the GPU gets the lock back within 0.5 ms instead of 5. On a CPU the
     model computes in torch without the lock, and both stay as Python has them.

@@ -104,17 +104,6 @@ class FormulaRecognizer:
         # Devices whose batches run in a worker process (`worker_factory`), and
         # whether each uses the static decoder there.
         self._remote: dict[str, bool] = {}
-        self._options = {
-            "source": source,
-            "name": name,
-            "dtype": dtype,
-            "bucket_step": bucket_step,
-            "num_beams": num_beams,
-            "max_new_tokens": max_new_tokens,
-            "max_pixels": max_pixels,
-            "decoder": decoder,
-            "merge_buckets": merge_buckets,
-        }
         self._tokenizer_lock = threading.Lock()
         # Per CUDA device: pinned upload buffer, and the event after its last copies.
         self._uploads: dict[str, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
@@ -200,7 +189,17 @@ class FormulaRecognizer:
     def worker_factory(self, device: torch.device, max_batch_size: int):
         """What a worker process runs to serve `device`: a picklable call that loads
         this model there, warms it up and returns `(runner, info)` (`ProcessRunner`)."""
-        options = {**self._options, "max_new_tokens": self.max_new_tokens}
+        options = {
+            "source": self.source,
+            "name": self.name,
+            "dtype": self.dtype_setting,
+            "bucket_step": self.bucket_step,
+            "num_beams": self.num_beams,
+            "max_new_tokens": self.max_new_tokens,
+            "max_pixels": self.max_pixels,
+            "decoder": self.decoder_setting,
+            "merge_buckets": self.merge_setting,
+        }
         return functools.partial(_worker_process, options, str(device), max_batch_size)
 
     def attach_worker(self, device: torch.device, info: dict) -> None:

@@ -249,9 +249,8 @@ class StaticGreedyDecoder:
         batch = sum(group.shape[0] for group in groups)
         if batch > self.max_batch_size:
             raise ValueError(f"batch of {batch} exceeds max_batch_size={self.max_batch_size}")
-        bucket = batch  # eagerly, no padding rows; a graph per batch bucket otherwise
-        if self.use_cuda_graphs:
-            bucket = next(b for b in _batch_buckets(self.max_batch_size) if b >= batch)
+        # Eagerly, no padding rows; a graph per batch bucket otherwise.
+        bucket = self._bucket_of(batch) if self.use_cuda_graphs else batch
         run = self._runner(bucket)  # captures first if warmup() did not
         self.source_mask.fill_(self.neg)
         self._source_len = 1
@@ -273,12 +272,14 @@ class StaticGreedyDecoder:
 
     # -- per batch -----------------------------------------------------------
 
+    def _bucket_of(self, rows: int) -> int:
+        """The smallest batch bucket holding `rows` rows."""
+        return next(b for b in _batch_buckets(self.max_batch_size) if b >= rows)
+
     def _load_source(self, pixel_values: torch.Tensor, row: int) -> None:
         """Encode rows `row...` and write their cross-attention K/V and source mask."""
         count = pixel_values.shape[0]
-        padded = count
-        if self.pad_encoder_rows:
-            padded = next(b for b in _batch_buckets(self.max_batch_size) if b >= count)
+        padded = self._bucket_of(count) if self.pad_encoder_rows else count
         graph = self._encoder_graphs.get((padded, *pixel_values.shape[1:]))
         if graph is not None:
             kv = graph.run(pixel_values)

@@ -101,13 +101,6 @@ class ImageGenerator:
         self._pipes: dict[str, DiffusionPipeline] = {}
         self._tokenizer_lock = threading.Lock()
         self._prompt_tokenizer = None
-        self._options = {
-            "source": source,
-            "name": name,
-            "dtype": dtype,
-            "max_steps": max_steps,
-            "max_side": max_side,
-        }
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -133,7 +126,14 @@ class ImageGenerator:
     def worker_factory(self, device: torch.device, max_batch_size: int):
         """What a worker process runs to serve `device`: a picklable call that loads the
         pipeline there, warms it up and returns `(runner, info)` (`ProcessRunner`)."""
-        return functools.partial(_worker_process, self._options, str(device), max_batch_size)
+        options = {
+            "source": self.source,
+            "name": self.name,
+            "dtype": self.dtype_setting,
+            "max_steps": self.max_steps,
+            "max_side": self.max_side,
+        }
+        return functools.partial(_worker_process, options, str(device), max_batch_size)
 
     def attach_worker(self, device: torch.device, info: dict) -> None:
         """Take the defaults and the prompt tokenizer a worker process loaded."""
