@@ -218,15 +218,16 @@ def record(args, server: str, concurrency, result: LoadResult | None, **extra) -
 
 
 def py_spy(args, pid: int, label: str) -> list[subprocess.Popen]:
-    """Sample every thread of `pid` for one measurement: once only while holding the GIL
-    (who has the interpreter), once including waits (where each thread is)."""
+    """Sample every thread of `pid` and of its child processes for one measurement: once
+    only while holding the GIL (who has the interpreter), once including waits (where
+    each thread is)."""
     seconds = str(int(args.warmup + args.duration))
     spies = []
     for mode, flags in (("gil", ["--gil"]), ("all", ["--idle"])):
         out = args.out.parent / f"py-spy-{label}-{mode}.txt"
         binary = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
         command = [binary, "record", "-p", str(pid), "-d", seconds, "-r", "100", "--threads"]
-        command += ["--nonblocking", "-f", "raw", "-o", str(out), *flags]
+        command += ["--subprocesses", "--nonblocking", "-f", "raw", "-o", str(out), *flags]
         spies.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
     return spies
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on an `nvidia-h200-x2` machine (device tool): GPU 0 continues the formula
-# model; GPU 1 runs Texel at concurrency 128 once per serving setting (each record names
-# its TEXEL_/OTEL_ settings), with py-spy GIL profiles of the default and of the last
-# setting. Results, profiles and the model come back under $OUT (8 files at most).
+# model; GPU 1 runs Texel once per serving setting (each record names its TEXEL_/OTEL_
+# settings), with py-spy profiles (child processes included). Results, profiles and the
+# model come back under $OUT (8 files at most).
 #   carry: .whl .fd .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/formula_diag.sh COMMIT [TRAIN_MINUTES]  (0: one GPU, no training)
 T0=$(date +%s)
@@ -33,12 +33,16 @@ cmp() {  # cmp LABEL ARGS...: py-spy files (if any) are kept under LABEL
     for f in /tmp/spy/py-spy-*; do [ -e "$f" ] && mv "$f" "/tmp/spy/$label-${f##*/py-spy-}"; done
 }
 export CUDA_VISIBLE_DEVICES=$BENCH_GPU
+# Same call, same GPU: the shipped defaults against batches in a worker process of their
+# own (TEXEL_WORKER_PROCESSES), with peers for scale and the equivalence check.
 cmp default --servers texel --concurrency 128,256 --py-spy-at 128
-TEXEL_PREPROCESS_THREADS=8 cmp threads8 --servers texel --concurrency 128,256
-TEXEL_PREPROCESS_PROCESSES=8 cmp procs8 --servers texel --concurrency 128,256 --py-spy-at 128
-TEXEL_PREPROCESS_PROCESSES=4 cmp procs4 --servers texel --concurrency 128,256
-OTEL_TRACES_SAMPLER=parentbased_traceidratio OTEL_TRACES_SAMPLER_ARG=0.01 \
-    cmp sampled --servers texel --concurrency 128,256
+TEXEL_WORKER_PROCESSES=true cmp workers --servers texel --concurrency 1,32,128,256 --py-spy-at 128
+TEXEL_WORKER_PROCESSES=true TEXEL_PREPROCESS_PROCESSES=4 cmp workers-procs4 --servers texel \
+    --concurrency 128,256
+cmp peers --servers litserve,model-only,texel-nobatch --concurrency 128
+echo "=== equivalence at $(( $(date +%s) - T0 ))s" >> $L
+timeout 150 python3 -m bench.equivalence --data /tmp/b --images 500 --batch-size 128 \
+    --out $OUT/equivalence.jsonl >> $L 2>&1
 echo "=== gpu1 done at $(( $(date +%s) - T0 ))s" >> $L
 cp /tmp/spy/r.jsonl $OUT/h200-diag.jsonl
 tar cJf $OUT/spy.tar.xz -C /tmp/spy --exclude r.jsonl .
