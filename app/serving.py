@@ -200,12 +200,12 @@ class Runtime:
     async def start(self) -> None:
         self.loop_watch = asyncio.get_running_loop().create_task(watch_event_loop())
         devices = resolve_devices(self.settings.device)
-        count, interval_ms = process_plan(self.settings, devices, os.cpu_count() or 2)
-        if interval_ms is not None:
-            sys.setswitchinterval(interval_ms / 1000)
+        plan = process_plan(self.settings, devices, os.cpu_count() or 2)
+        if plan.switch_interval_ms is not None:
+            sys.setswitchinterval(plan.switch_interval_ms / 1000)
         threads = self.settings.preprocess_threads or (os.cpu_count() or 2)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="texel-preprocess")
-        if count:
+        if count := plan.preprocess_processes:
             # spawn: forking a process that may already hold CUDA state is unsafe
             context = multiprocessing.get_context("spawn")
             self.processes = ProcessPoolExecutor(
@@ -216,7 +216,7 @@ class Runtime:
             )
             for _ in range(count):  # start them now, not on the first requests
                 self.processes.submit(os.getpid)
-        self.models = _build_models(self.settings, devices)
+        self.models = _build_models(self.settings, devices, plan.worker_processes)
         # Load in the background: /livez answers at once and /readyz reports progress.
         self.loader = asyncio.get_running_loop().create_task(self._load_all())
 
@@ -264,24 +264,39 @@ class Runtime:
             executor.shutdown(wait=False, cancel_futures=True)
 
 
-def process_plan(settings: Settings, devices, cores: int) -> tuple[int, float | None]:
-    """Preprocessing processes and thread switch interval (ms, None: Python's default).
+@dataclass(frozen=True)
+class ProcessPlan:
+    """How the serving process spreads its work over processes and threads."""
 
-    Unset settings follow the devices. On a GPU the serving process's interpreter lock
-    is the bottleneck (measured on an H200, README: Benchmarks): image decoding moves
-    to worker processes, and the switch interval drops to 0.5 ms, so a GPU worker that
-    waited for the GPU gets the lock back within 0.5 ms instead of 5. On a CPU the
-    model computes in torch without the lock, and both stay as Python has them.
+    preprocess_processes: int
+    switch_interval_ms: float | None  # None: Python's default
+    worker_processes: bool
+
+
+def process_plan(settings: Settings, devices, cores: int) -> ProcessPlan:
+    """Unset settings follow the devices.
+
+    On a GPU the serving process's interpreter lock is the bottleneck (measured on an
+    H200, README: Benchmarks): batches run in a worker process per device, image
+    decoding in preprocessing processes, and the switch interval drops to 0.5 ms, so a
+    thread that waited on the GPU or a pipe gets the lock back within 0.5 ms instead of
+    5. With worker processes, 4 preprocessing processes served more than 8 (they leave
+    cores to the workers). On a CPU the model computes in torch without the lock, and
+    everything stays in one process, as Python has it.
     """
     on_gpu = any(device.type == "cuda" for device in devices)
+    workers = settings.worker_processes
+    if workers is None:
+        workers = on_gpu
     count = settings.preprocess_processes
     if count is None:
-        count = min(8, cores // 2) if on_gpu and settings.formula.enabled else 0
+        share = min(4, cores // 4) if workers else min(8, cores // 2)
+        count = share if on_gpu and settings.formula.enabled else 0
     interval_ms = settings.switch_interval_ms or (0.5 if on_gpu else None)
-    return count, interval_ms
+    return ProcessPlan(count, interval_ms, workers)
 
 
-def _build_models(settings: Settings, devices) -> dict[str, ServedModel]:
+def _build_models(settings: Settings, devices, worker_processes: bool) -> dict[str, ServedModel]:
     # Each model family imports its libraries only when enabled: a formula-only
     # replica never imports diffusers.
     served: dict[str, ServedModel] = {}
@@ -306,7 +321,7 @@ def _build_models(settings: Settings, devices) -> dict[str, ServedModel]:
             adapter,
             f,
             settings.request_timeout_s,
-            worker_processes=settings.worker_processes,
+            worker_processes=worker_processes,
         )
     if settings.image.enabled:
         from models.image.adapter import ImageGenerator
@@ -325,7 +340,7 @@ def _build_models(settings: Settings, devices) -> dict[str, ServedModel]:
             adapter,
             i,
             settings.request_timeout_s,
-            worker_processes=settings.worker_processes,
+            worker_processes=worker_processes,
         )
     return served
 

@@ -116,13 +116,15 @@ class Settings(BaseSettings):
         None,
         ge=0,
         description="Worker processes decoding formula images, away from the serving "
-        "process's interpreter lock; 0 decodes on the threads above. Unset: "
-        "min(8, cores / 2) when formulas run on a GPU, else 0.",
+        "process's interpreter lock; 0 decodes on the threads above. Unset: when formulas "
+        "run on a GPU, min(4, cores / 4) beside worker processes (below), min(8, cores / 2) "
+        "without them; else 0.",
     )
-    worker_processes: bool = Field(
-        False,
+    worker_processes: bool | None = Field(
+        None,
         description="Run each model's batches on each device in a worker process of its "
-        "own (its own interpreter lock), not on a thread of the serving process.",
+        "own (its own interpreter lock), not on a thread of the serving process. Unset: "
+        "true when a model runs on a GPU, else false.",
     )
     switch_interval_ms: float | None = Field(
         None,

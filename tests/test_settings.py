@@ -46,14 +46,20 @@ def test_invalid_values_are_refused(monkeypatch):
 def test_process_plan_follows_the_devices_unless_set() -> None:
     import torch
 
-    from app.serving import process_plan
+    from app.serving import ProcessPlan, process_plan
 
     cpu, gpu = [torch.device("cpu")], [torch.device("cuda", 0), torch.device("cuda", 1)]
-    assert process_plan(Settings(), cpu, cores=2) == (0, None)
-    assert process_plan(Settings(), gpu, cores=16) == (8, 0.5)
-    assert process_plan(Settings(), gpu, cores=6) == (3, 0.5)
+    assert process_plan(Settings(), cpu, cores=2) == ProcessPlan(0, None, False)
+    assert process_plan(Settings(), gpu, cores=16) == ProcessPlan(4, 0.5, True)
+    assert process_plan(Settings(), gpu, cores=6) == ProcessPlan(1, 0.5, True)
+    threads = Settings(worker_processes=False)
+    assert process_plan(threads, gpu, cores=16) == ProcessPlan(8, 0.5, False)
+    assert process_plan(threads, gpu, cores=6) == ProcessPlan(3, 0.5, False)
     set_explicitly = Settings(preprocess_processes=0, switch_interval_ms=5)
-    assert process_plan(set_explicitly, gpu, cores=16) == (0, 5)
-    assert process_plan(Settings(preprocess_processes=2), cpu, cores=2) == (2, None)
+    assert process_plan(set_explicitly, gpu, cores=16) == ProcessPlan(0, 5, True)
+    assert process_plan(Settings(preprocess_processes=2), cpu, cores=2) == ProcessPlan(
+        2, None, False
+    )
+    assert process_plan(Settings(worker_processes=True), cpu, cores=2).worker_processes
     images_only = Settings(formula={"enabled": False})
-    assert process_plan(images_only, gpu, cores=16) == (0, 0.5)
+    assert process_plan(images_only, gpu, cores=16) == ProcessPlan(0, 0.5, True)

@@ -12,17 +12,7 @@ export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TEXEL_COMMIT=$1 TEXEL_
 mkdir -p /tmp/d /tmp/b /tmp/spy && tar xJf .fd/fd.tar.xz -C /tmp/d && tar xf .gb/bench_images.tar -C /tmp/b
 MINUTES=${2:-7.0}  # 0: no training (a one-GPU machine: benchmarks only, on GPU 0)
 [ "$MINUTES" = 0 ] && BENCH_GPU=0 || BENCH_GPU=1
-[ "$MINUTES" = 0 ] || (
-    set -x
-    CUDA_VISIBLE_DEVICES=0 timeout $(python3 -c "print(int($MINUTES * 60 + 90))") \
-        python3 -m models.formula.train \
-        --data /tmp/d/im2latex-val --init-from models/formula/default --out /tmp/fm \
-        --steps 100000 --max-minutes "$MINUTES" --batch-size 256 --lr "${3:-3e-4}" --warmup 100 \
-        --real-fraction "${4:-0.3}" --eval-every 0 --dev-limit 256 --workers 18 --seed "${5:-8}" \
-        --log /tmp/formula.jsonl
-    echo "train rc=$? at $(( $(date +%s) - T0 ))s"
-    tar cf - -C /tmp fm | split -b 15m - $OUT/fm.tar.
-) > $OUT/train.log 2>&1 &
+[ "$MINUTES" = 0 ] || bash bench/device/formula_train.sh 0 "$MINUTES" "${@:3}" &
 TRAIN=$!
 L=$OUT/bench.log
 B="--data /tmp/b --duration 10 --warmup 2 --client-processes 4 --max-batch-size 128 --out $OUT/h200.jsonl"

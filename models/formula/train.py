@@ -194,6 +194,32 @@ def make_batch(
     return torch.from_numpy(images), torch.from_numpy(decoder_inputs), torch.from_numpy(labels)
 
 
+def grow_decoder(model, layers: int):
+    """`model` with its decoder deepened to `layers`: each new layer is a copy of the top
+    layer with its attention and feed-forward outputs zeroed, so it adds only its layer
+    norms (the top layer's) at first and training decides what it becomes."""
+    import copy
+
+    from transformers import VisionEncoderDecoderModel
+
+    decoder = model.decoder.model.decoder
+    added = layers - len(decoder.layers)
+    if added <= 0:
+        return model
+    for _ in range(added):
+        layer = copy.deepcopy(decoder.layers[-1])
+        for projection in (layer.self_attn.out_proj, layer.encoder_attn.out_proj, layer.fc2):
+            torch.nn.init.zeros_(projection.weight)
+            torch.nn.init.zeros_(projection.bias)
+        decoder.layers.append(layer)
+    config = copy.deepcopy(model.config)
+    config.decoder.decoder_layers = layers
+    grown = VisionEncoderDecoderModel(config=config)
+    grown.load_state_dict(model.state_dict())
+    grown.generation_config = model.generation_config
+    return grown
+
+
 def gpu_pixels(
     images: torch.Tensor, spec: FormulaImageSpec, generator: torch.Generator, augment: bool
 ) -> torch.Tensor:
@@ -259,6 +285,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--eval-every", type=int, default=1000)
     parser.add_argument("--init-from", default="", help="continue training this saved model")
     parser.add_argument(
+        "--grow-decoder-to",
+        type=int,
+        default=0,
+        help="with --init-from: deepen its decoder to this many layers (grow_decoder)",
+    )
+    parser.add_argument(
         "--dev-limit", type=int, default=0, help="score only the first N dev images (0 = all)"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -311,7 +343,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.init_from:
         from transformers import VisionEncoderDecoderModel
 
-        model = VisionEncoderDecoderModel.from_pretrained(args.init_from).float().to(device)
+        model = VisionEncoderDecoderModel.from_pretrained(args.init_from).float()
+        model = grow_decoder(model, args.grow_decoder_to).to(device)
     else:
         model = build_model(len(tokenizer), spec, args).to(device)
     params = sum(p.numel() for p in model.parameters())
