@@ -214,7 +214,8 @@ def grow_decoder(model, layers: int):
         decoder.layers.append(layer)
     config = copy.deepcopy(model.config)
     config.decoder.decoder_layers = layers
-    grown = VisionEncoderDecoderModel(config=config)
+    # A saved fp16 model's config says fp16, and the new model would be built in it.
+    grown = VisionEncoderDecoderModel(config=config).to(next(model.parameters()).dtype)
     grown.load_state_dict(model.state_dict())
     grown.generation_config = model.generation_config
     return grown
