@@ -24,7 +24,7 @@ from opentelemetry.trace import Link
 
 from app.settings import ModelSettings, Settings
 from batching import Batcher, BatchPolicy, ProcessRunner, Worker, exit_with_parent
-from models.devices import resolve_devices
+from models.devices import make_current, resolve_devices
 from telemetry import BatchTelemetry, RequestTrace, metrics
 from telemetry.bottleneck import BottleneckSampler, watch_event_loop
 
@@ -231,7 +231,10 @@ class Runtime:
         key = str(device) if device.type == "cpu" else f"{model}-{device}"
         if key not in self.compute_threads:
             self.compute_threads[key] = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"texel-compute-{key}"
+                max_workers=1,
+                thread_name_prefix=f"texel-compute-{key}",
+                initializer=make_current,
+                initargs=(device,),
             )
         return self.compute_threads[key]
 

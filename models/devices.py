@@ -34,6 +34,16 @@ def resolve_devices(setting: str) -> list[torch.device]:
     raise ValueError(f"unknown device {setting!r}; use auto, cpu, cuda or cuda:N")
 
 
+def make_current(device: torch.device) -> None:
+    """Make a GPU the calling thread's current device (a no-op for the CPU).
+
+    Each thread starts on cuda:0. A worker for another GPU sets its own, so that the
+    streams, CUDA graphs and allocations it makes without naming a device are on it.
+    """
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def resolve_dtype(setting: str, device: torch.device, half: torch.dtype) -> torch.dtype:
     """`auto` is `half` (fp16/bf16) on a GPU and fp32 on the CPU."""
     if setting == "auto":

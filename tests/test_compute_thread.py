@@ -66,3 +66,23 @@ async def test_cpu_models_load_warm_up_and_run_on_one_shared_thread():
     assert steps[:2] == ["formula.load", "formula.warmup"] and "image.run" in steps
     assert {ident for _, ident in threads} == {next(iter(threads))[1]}
     assert threading.get_ident() not in {ident for _, ident in threads}
+
+
+def test_a_gpu_compute_thread_makes_its_gpu_current(monkeypatch):
+    """A worker for cuda:1 must not capture graphs or open streams on cuda:0, every
+    thread's starting device (no GPU on CI: set_device is recorded, not called)."""
+    current: list[tuple[torch.device, int]] = []
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda d: current.append((d, threading.get_ident()))
+    )
+    runtime = Runtime(Settings())
+    gpu1 = torch.device("cuda", 1)
+    thread = runtime.compute_thread("formula", gpu1)
+    ident = thread.submit(threading.get_ident).result()
+    cpu_ident = (
+        runtime.compute_thread("formula", torch.device("cpu")).submit(threading.get_ident).result()
+    )
+    assert current == [(gpu1, ident)]
+    assert cpu_ident != ident
+    for pool in runtime.compute_threads.values():
+        pool.shutdown()

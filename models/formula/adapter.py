@@ -27,7 +27,12 @@ from transformers import (
 from transformers.utils import cached_file
 from transformers.utils import logging as transformers_logging
 
-from models.devices import model_name, out_of_memory_as_batching_error, resolve_dtype
+from models.devices import (
+    make_current,
+    model_name,
+    out_of_memory_as_batching_error,
+    resolve_dtype,
+)
 from models.formula.fast_decode import StaticGreedyDecoder
 from models.formula.preprocess import (
     FormulaImageSpec,
@@ -352,6 +357,7 @@ class FormulaRecognizer:
 def _worker_process(options: dict, device: str, max_batch_size: int):
     """In a worker process: load and warm up the model on `device`; its batch runner."""
     target = torch.device(device)
+    make_current(target)
     recognizer = FormulaRecognizer(devices=[target], **options)
     recognizer.load()
     recognizer.warmup(target, max_batch_size)

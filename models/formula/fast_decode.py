@@ -456,6 +456,7 @@ class StaticGreedyDecoder:
             graph = _capture_graph(
                 lambda: out.copy_(self._encode(inputs)),
                 self._encoder_pool,
+                self.device,
                 warm=lambda: self._encode(inputs),
                 warmups=2,
             )
@@ -473,7 +474,11 @@ class StaticGreedyDecoder:
                 self._pool = torch.cuda.graph_pool_handle()
             self._reset(bucket, bucket)
             return _capture_graph(
-                lambda: self._steps(bucket), self._pool, warm=lambda: self._step(bucket), warmups=3
+                lambda: self._steps(bucket),
+                self._pool,
+                self.device,
+                warm=lambda: self._step(bucket),
+                warmups=3,
             )
         except Exception as exc:  # any capture failure falls back to eager decoding
             if not self._warned_capture:
@@ -482,18 +487,26 @@ class StaticGreedyDecoder:
             return None
 
 
-def _capture_graph(run: Callable, pool, *, warm: Callable, warmups: int) -> torch.cuda.CUDAGraph:
+def _capture_graph(
+    run: Callable, pool, device: torch.device, *, warm: Callable, warmups: int
+) -> torch.cuda.CUDAGraph:
     """`warm()` `warmups` times on a side stream (allocations settle, kernels load), then
-    one `run()` captured as a CUDA graph drawing on the memory pool `pool`."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmups):
-            warm()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        run()
+    one `run()` captured as a CUDA graph drawing on the memory pool `pool`.
+
+    Streams and captures belong to the current device, so `device` is made current: a
+    worker for cuda:1 runs on a thread (or in a process) whose current device is cuda:0,
+    and its captures would otherwise record nothing and fail.
+    """
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmups):
+                warm()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            run()
     return graph
 
 

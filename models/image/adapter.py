@@ -25,7 +25,12 @@ from PIL import Image
 from transformers.utils import cached_file
 from transformers.utils import logging as transformers_logging
 
-from models.devices import model_name, out_of_memory_as_batching_error, resolve_dtype
+from models.devices import (
+    make_current,
+    model_name,
+    out_of_memory_as_batching_error,
+    resolve_dtype,
+)
 from models.errors import InvalidParameter
 
 DEFAULTS_FILE = "texel.json"  # optional {"num_inference_steps", "guidance_scale"}
@@ -288,6 +293,7 @@ def _worker_process(options: dict, device: str, max_batch_size: int):
     """In a worker process: load and warm up the pipeline on `device`; its batch runner,
     and what the serving process needs to validate and tokenize requests."""
     target = torch.device(device)
+    make_current(target)
     generator = ImageGenerator(devices=[target], **options)
     generator.load()
     generator.warmup(target, max_batch_size)
