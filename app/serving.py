@@ -24,9 +24,10 @@ from opentelemetry.trace import Link
 
 from app.settings import ModelSettings, Settings
 from batching import Batcher, BatchPolicy, ProcessRunner, Worker, exit_with_parent
-from models.devices import make_current, resolve_devices
+from models.devices import allocator_bytes, make_current, resolve_devices
 from telemetry import BatchTelemetry, RequestTrace, metrics
 from telemetry.bottleneck import BottleneckSampler, watch_event_loop
+from telemetry.resources import add_allocator_source, remove_allocator_source
 
 log = logging.getLogger(__name__)
 
@@ -118,15 +119,28 @@ class ServedModel:
             await loop.run_in_executor(executor, self.adapter.warmup, device, max_batch)
             return self.adapter.runner(device)
         runner = ProcessRunner(
-            self.adapter.worker_factory(device, max_batch), name=f"texel-{self.key}-{device}"
+            self.adapter.worker_factory(device, max_batch),
+            name=f"texel-{self.key}-{device}",
+            report=functools.partial(allocator_bytes, device),
         )
+        if not self.runners:
+            add_allocator_source(self.worker_memory)
         self.runners.append(runner)
         info = await loop.run_in_executor(executor, runner.start)
         self.adapter.attach_worker(device, info)
         log.info("%s worker for %s runs in process %s", self.key, device, runner.pid)
         return runner
 
+    def worker_memory(self) -> dict[str, tuple[int, int]]:
+        """GPU memory of the worker processes' torch allocators, {device: (allocated,
+        reserved)}, as each reported it after its last batch."""
+        readings: dict[str, tuple[int, int]] = {}
+        for runner in self.runners:
+            readings.update(runner.reported or {})
+        return readings
+
     def close(self) -> None:
+        remove_allocator_source(self.worker_memory)
         for runner in self.runners:
             runner.close()
 

@@ -32,6 +32,7 @@ from batching.batcher import BatchRunner, ShouldStop
 from batching.errors import BatchFailed
 
 Build = Callable[[], tuple[BatchRunner, dict]]
+Report = Callable[[], Any]
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +41,19 @@ class ProcessRunner:
     """Runs batches in one spawned child process; call `start()` once, then call it.
 
     A child that dies fails the batch it was running (`BatchFailed`), and is started
-    again, loading and warming up anew, before the next batch.
+    again, loading and warming up anew, before the next batch. `report`, if given, runs
+    in the child once it is ready and after every batch; its latest value is
+    `reported` (the worker's GPU memory, which the serving process cannot read).
     """
 
-    def __init__(self, build: Build, name: str, poll_s: float = 0.005) -> None:
+    def __init__(
+        self, build: Build, name: str, poll_s: float = 0.005, report: Report | None = None
+    ) -> None:
         self.build = build
         self.name = name
         self.poll_s = poll_s
+        self.report = report
+        self.reported: Any = None
         self.info: dict = {}
         self.restarts = 0
         self._context = multiprocessing.get_context("spawn")
@@ -63,7 +70,7 @@ class ProcessRunner:
         self._conn, child_conn = self._context.Pipe()
         self._process = self._context.Process(
             target=_serve,
-            args=(self.build, child_conn, self._stop, os.getpid()),
+            args=(self.build, child_conn, self._stop, os.getpid(), self.report),
             name=self.name,
             daemon=True,
         )
@@ -77,21 +84,22 @@ class ProcessRunner:
         return value
 
     def __call__(self, payloads: list[Any], should_stop: ShouldStop) -> list[Any]:
+        kind, value = self._run(payloads, should_stop)
+        if kind == "lost":  # gone before it took the batch (killed while idle): once more
+            kind, value = self._run(payloads, should_stop)
+        if kind in ("error", "lost"):
+            raise value
+        return value
+
+    def _run(self, payloads: list[Any], should_stop: ShouldStop) -> tuple[str, Any]:
         if not self._process.is_alive():
             self._restart()
         self._stop.clear()
         try:
             self._conn.send(payloads)
         except OSError:
-            kind, value = "error", self._died()
-        else:
-            while not self._conn.poll(self.poll_s):
-                if not self._stop.is_set() and should_stop():
-                    self._stop.set()
-            kind, value = self._receive()
-        if kind == "error":
-            raise value
-        return value
+            return "lost", self._died()
+        return self._receive(should_stop)
 
     def close(self) -> None:
         """Ask the child to exit, then make sure it has."""
@@ -116,11 +124,25 @@ class ProcessRunner:
         self.restarts += 1
         self.start()
 
-    def _receive(self) -> tuple[str, Any]:
+    def _receive(self, should_stop: ShouldStop | None = None) -> tuple[str, Any]:
+        """The child's reply, relaying `should_stop` while waiting. A report before it is
+        kept in `reported`; a child that died before saying it took the batch ("taken")
+        is "lost", after it "error"."""
+        taken = False
         try:
-            return self._conn.recv()
+            while True:
+                while should_stop is not None and not self._conn.poll(self.poll_s):
+                    if not self._stop.is_set() and should_stop():
+                        self._stop.set()
+                kind, value = self._conn.recv()
+                if kind == "taken":
+                    taken = True
+                elif kind == "report":
+                    self.reported = value
+                else:
+                    return kind, value
         except (EOFError, OSError):
-            return "error", self._died()
+            return ("error" if taken else "lost"), self._died()
 
     def _died(self) -> BatchFailed:
         self._process.join(timeout=5)
@@ -151,7 +173,7 @@ def _picklable(exc: BaseException) -> BaseException:
         return BatchFailed(f"{type(exc).__name__}: {exc}")
 
 
-def _serve(build: Build, conn, stop, parent_pid: int) -> None:
+def _serve(build: Build, conn, stop, parent_pid: int, report: Report | None = None) -> None:
     """The child: build the runner, report ready, then run batches until told to stop."""
     exit_with_parent(parent_pid)
     try:
@@ -159,6 +181,7 @@ def _serve(build: Build, conn, stop, parent_pid: int) -> None:
     except BaseException as exc:  # reported to start(), which raises it in the parent
         conn.send(("error", _picklable(exc)))
         return
+    _send_report(conn, report)
     conn.send(("ready", info))
     while True:
         try:
@@ -167,9 +190,21 @@ def _serve(build: Build, conn, stop, parent_pid: int) -> None:
             return
         if payloads is None:
             return
+        conn.send(("taken", None))
         try:
             result = run(payloads, stop.is_set)
         except Exception as exc:
+            _send_report(conn, report)
             conn.send(("error", _picklable(exc)))
         else:
+            _send_report(conn, report)
             conn.send(("ok", result))
+
+
+def _send_report(conn, report: Report | None) -> None:
+    if report is None:
+        return
+    try:
+        conn.send(("report", report()))
+    except Exception:  # a report is an extra; the batch's reply must still go
+        log.exception("worker report failed")

@@ -44,6 +44,14 @@ def make_current(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def allocator_bytes(device: torch.device) -> dict[str, tuple[int, int]]:
+    """{device: (allocated, reserved)} from this process's torch allocator on a GPU
+    (what a worker process reports after each batch); empty for the CPU."""
+    if device.type != "cuda" or not torch.cuda.is_initialized():
+        return {}
+    return {str(device): (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))}
+
+
 def resolve_dtype(setting: str, device: torch.device, half: torch.dtype) -> torch.dtype:
     """`auto` is `half` (fp16/bf16) on a GPU and fp32 on the CPU."""
     if setting == "auto":

@@ -6,10 +6,13 @@ dashboard never mistakes "no GPU" for "idle GPU".
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -115,6 +118,10 @@ class ResourceCollector(Collector):
         )
         cpu.add_metric([], self.cpu.utilization())
         yield cpu
+        yield from self._nvml()
+        yield from _torch_allocator()
+
+    def _nvml(self):
         readings = self.nvml.read()
         if not readings:
             return
@@ -143,15 +150,43 @@ class ResourceCollector(Collector):
                 if value is not None:
                     family.add_metric([reading.device], value)
         yield from families.values()
-        yield from _torch_allocator()
+
+
+AllocatorSource = Callable[[], dict[str, tuple[int, int]]]
+_allocator_sources: list[AllocatorSource] = []
+
+
+def add_allocator_source(source: AllocatorSource) -> None:
+    """Readings of torch allocators in other processes, {device: (allocated, reserved)}:
+    with worker processes the model's GPU memory is theirs, not the serving process's."""
+    _allocator_sources.append(source)
+
+
+def remove_allocator_source(source: AllocatorSource) -> None:
+    with contextlib.suppress(ValueError):
+        _allocator_sources.remove(source)
 
 
 def _torch_allocator():
-    try:
-        import torch
-    except ImportError:
-        return
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+    totals: dict[str, list[int]] = {}
+
+    def add(device: str, allocated: int, reserved: int) -> None:
+        total = totals.setdefault(device, [0, 0])
+        total[0] += allocated
+        total[1] += reserved
+
+    torch = sys.modules.get("torch")  # not imported: this process holds no tensors
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        for index in range(torch.cuda.device_count()):
+            add(
+                f"cuda:{index}",
+                torch.cuda.memory_allocated(index),
+                torch.cuda.memory_reserved(index),
+            )
+    for source in list(_allocator_sources):
+        for device, (allocated, reserved) in source().items():
+            add(device, allocated, reserved)
+    if not totals:
         return
     allocated = GaugeMetricFamily(
         "texel_torch_allocated_bytes", "Bytes held by tensors (torch allocator).", labels=["device"]
@@ -159,8 +194,8 @@ def _torch_allocator():
     reserved = GaugeMetricFamily(
         "texel_torch_reserved_bytes", "Bytes reserved by the torch allocator.", labels=["device"]
     )
-    for index in range(torch.cuda.device_count()):
-        allocated.add_metric([f"cuda:{index}"], torch.cuda.memory_allocated(index))
-        reserved.add_metric([f"cuda:{index}"], torch.cuda.memory_reserved(index))
+    for device, (held, kept) in sorted(totals.items()):
+        allocated.add_metric([device], held)
+        reserved.add_metric([device], kept)
     yield allocated
     yield reserved
