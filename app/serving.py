@@ -27,7 +27,7 @@ from batching import Batcher, BatchPolicy, ProcessRunner, Worker, exit_with_pare
 from models.devices import allocator_bytes, make_current, resolve_devices
 from telemetry import BatchTelemetry, RequestTrace, metrics
 from telemetry.bottleneck import BottleneckSampler, watch_event_loop
-from telemetry.resources import add_allocator_source, remove_allocator_source
+from telemetry.resources import add_allocator_source, remove_allocator_source, usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -214,10 +214,10 @@ class Runtime:
     async def start(self) -> None:
         self.loop_watch = asyncio.get_running_loop().create_task(watch_event_loop())
         devices = resolve_devices(self.settings.device)
-        plan = process_plan(self.settings, devices, os.cpu_count() or 2)
+        plan = process_plan(self.settings, devices, usable_cores())
         if plan.switch_interval_ms is not None:
             sys.setswitchinterval(plan.switch_interval_ms / 1000)
-        threads = self.settings.preprocess_threads or (os.cpu_count() or 2)
+        threads = self.settings.preprocess_threads or usable_cores()
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="texel-preprocess")
         if count := plan.preprocess_processes:
             # spawn: forking a process that may already hold CUDA state is unsafe

@@ -16,7 +16,6 @@ names the quadrant:
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -24,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import psutil
 
 from telemetry import metrics
-from telemetry.resources import Nvml
+from telemetry.resources import Nvml, usable_cores
 
 HIGH_CPU = 0.6  # share of all cores
 HIGH_THREAD = 0.85  # share of one core: a single hot thread (event loop, GIL)
@@ -195,7 +194,7 @@ class BottleneckSampler:
         return max(r.utilization for r in readings)
 
     async def sample(self, window_s: float = 10.0, interval_s: float = 0.25) -> Sample:
-        cores = os.cpu_count() or 1
+        cores = usable_cores()
         start = time.monotonic()
         family = _family(self._process)
         cpu0, threads0 = _cpu_times(family), _thread_times(family)

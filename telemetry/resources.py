@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 from prometheus_client.core import GaugeMetricFamily
@@ -84,10 +86,11 @@ def _optional(read):
 
 
 class CpuMeter:
-    """Process CPU utilization between two readings, as a share of all cores."""
+    """Process CPU utilization between two readings, as a share of the usable cores."""
 
     def __init__(self) -> None:
         self._process = psutil.Process()
+        self._cores = usable_cores()
         self._lock = threading.Lock()
         self._last = (time.monotonic(), self._cpu_seconds())
 
@@ -101,7 +104,32 @@ class CpuMeter:
             last_t, last_cpu = self._last
             self._last = (now, cpu)
         elapsed = max(now - last_t, 1e-6)
-        return min(1.0, (cpu - last_cpu) / (elapsed * (os.cpu_count() or 1)))
+        return min(1.0, (cpu - last_cpu) / (elapsed * self._cores))
+
+
+def usable_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Cores this process may use: its CPU affinity, capped by the CPU quota of its
+    cgroup (a container's CPU limit). `os.cpu_count()` counts the whole machine, so a
+    pod limited to 4 cores on a 64-core node would size its pools for 64."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    for quota_file, period_file in (
+        ("cpu.max", None),  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
+        ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us"),  # cgroup v1: -1 is no limit
+    ):
+        try:
+            fields = (cgroup / quota_file).read_text().split()
+            if period_file is not None:
+                fields.append((cgroup / period_file).read_text().strip())
+            quota, period = fields[0], fields[1]
+            if quota not in ("max", "-1"):
+                cores = min(cores, math.ceil(int(quota) / int(period)))
+            break
+        except (OSError, ValueError, IndexError):
+            continue
+    return max(1, cores)
 
 
 class ResourceCollector(Collector):
@@ -114,7 +142,7 @@ class ResourceCollector(Collector):
     def collect(self):
         cpu = GaugeMetricFamily(
             "texel_process_cpu_utilization_ratio",
-            "Process CPU time since the previous scrape over wall time times cores (0..1).",
+            "Process CPU time since the previous scrape over wall time times usable cores (0..1).",
         )
         cpu.add_metric([], self.cpu.utilization())
         yield cpu

@@ -63,3 +63,23 @@ def test_process_plan_follows_the_devices_unless_set() -> None:
     assert process_plan(Settings(worker_processes=True), cpu, cores=2).worker_processes
     images_only = Settings(formula={"enabled": False})
     assert process_plan(images_only, gpu, cores=16) == ProcessPlan(0, 0.5, True)
+
+
+def test_usable_cores_follow_the_container_cpu_limit(tmp_path) -> None:
+    import os
+
+    from telemetry.resources import usable_cores
+
+    machine = len(os.sched_getaffinity(0))
+    assert usable_cores(tmp_path) == machine  # no cgroup files: the affinity mask
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cores(tmp_path) == machine
+    (tmp_path / "cpu.max").write_text("50000 100000\n")  # half a core: still one
+    assert usable_cores(tmp_path) == 1
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")  # cgroup v1
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert usable_cores(tmp_path) == 1
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert usable_cores(tmp_path) == machine
