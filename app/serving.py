@@ -94,6 +94,7 @@ class ServedModel:
             max_queue=self.settings.max_queue,
             merge_buckets=self.adapter.merge_buckets,
             max_linger_s=self.settings.max_linger_ms / 1000,
+            max_rejoin_s=self.settings.max_rejoin_ms / 1000,
         )
         observer = BatchTelemetry(
             self.name, self.adapter.operation, padding_efficiency=self.adapter.padding_efficiency

@@ -35,6 +35,13 @@ class ModelSettings(BaseModel):
         description="How much longer than max_wait_ms a bucket may wait while requests "
         "keep arriving (each within max_wait_ms of the last).",
     )
+    max_rejoin_ms: float = Field(
+        0.0,
+        ge=0,
+        description="How long requests that queued behind a busy worker wait, once it frees, "
+        "for the finished batch's clients to come back (if longer than max_wait_ms); a "
+        "request that finds a worker idle waits max_wait_ms only.",
+    )
 
 
 class FormulaSettings(ModelSettings):

@@ -43,6 +43,13 @@ class BatchPolicy:
     together and their next requests trickle in over a few milliseconds; without
     lingering, the first arrivals launch a half batch and two half-size cohorts
     alternate from then on. Once arrivals pause, a bucket launches as before.
+
+    `max_rejoin_s` is the wait, counted from the free worker, of a bucket whose oldest
+    request queued while every worker was busy, when that should be longer than
+    `max_wait_s`: long enough for the finished batch's clients to send their next
+    requests (for a model whose batch takes a second, some tens of milliseconds of
+    HTTP and encoding). A request that finds a worker idle still waits `max_wait_s`
+    only, so a lone user pays nothing for it.
     """
 
     max_batch_size: int = 8
@@ -50,6 +57,7 @@ class BatchPolicy:
     max_queue: int = 256
     merge_buckets: bool = False
     max_linger_s: float = 0.0
+    max_rejoin_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -60,6 +68,8 @@ class BatchPolicy:
             raise ValueError("max_queue must be at least 1")
         if self.max_linger_s < 0:
             raise ValueError("max_linger_s must not be negative")
+        if self.max_rejoin_s < 0:
+            raise ValueError("max_rejoin_s must not be negative")
 
 
 class State(enum.Enum):
@@ -167,9 +177,12 @@ class BucketQueue:
         """When a bucket that does not fill up launches (is_ready and next_wakeup agree)."""
         policy = self.policy
         start = max(items[0].enqueued_at, free_since)
+        wait = policy.max_wait_s
+        if items[0].enqueued_at < free_since:  # it queued behind busy workers
+            wait = max(wait, policy.max_rejoin_s)
         paused = max(self._latest_arrival(items), free_since) + policy.max_wait_s
-        cap = start + policy.max_wait_s + policy.max_linger_s
-        return max(start + policy.max_wait_s, min(paused, cap))
+        cap = start + wait + policy.max_linger_s
+        return max(start + wait, min(paused, cap))
 
     def next_batch(
         self, now: float, flush: bool = False, free_since: float = -math.inf

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import random
 import statistics
 import time
@@ -74,6 +75,8 @@ def main() -> None:
                         default=[10.0])  # fmt: skip
     parser.add_argument("--linger-ms", type=lambda s: [float(x) for x in s.split(",")],
                         default=[0.0])  # fmt: skip
+    parser.add_argument("--rejoin-ms", type=lambda s: [float(x) for x in s.split(",")],
+                        default=[0.0])  # fmt: skip
     parser.add_argument("--buckets", type=lambda s: [int(x) for x in s.split(",")],
                         default=[256, 320, 384, 448])  # fmt: skip
     parser.add_argument(
@@ -86,16 +89,22 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=2.0)
     args = parser.parse_args()
-    print("| max wait ms | max linger ms | formulas/s | mean batch | ideal formulas/s |")
-    print("|---:|---:|---:|---:|---:|")
-    for wait_ms in args.wait_ms:
-        for linger_ms in args.linger_ms:
-            policy = BatchPolicy(max_batch_size=args.max_batch, max_wait_s=wait_ms / 1000,
-                                 max_queue=args.concurrency * 2, merge_buckets=True,
-                                 max_linger_s=linger_ms / 1000)  # fmt: skip
-            result = asyncio.run(run(policy, args))
-            print(f"| {wait_ms:g} | {linger_ms:g} | {result['throughput_rps']} "
-                  f"| {result['mean_batch']} | {result['ideal_rps']} |", flush=True)  # fmt: skip
+    print("| max wait ms | max linger ms | max rejoin ms | formulas/s | mean batch "
+          "| ideal formulas/s |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|")
+    for wait_ms, linger_ms, rejoin_ms in itertools.product(
+        args.wait_ms, args.linger_ms, args.rejoin_ms
+    ):
+        policy = BatchPolicy(max_batch_size=args.max_batch, max_wait_s=wait_ms / 1000,
+                             max_queue=args.concurrency * 2, merge_buckets=True,
+                             max_linger_s=linger_ms / 1000,
+                             max_rejoin_s=rejoin_ms / 1000)  # fmt: skip
+        result = asyncio.run(run(policy, args))
+        print(
+            f"| {wait_ms:g} | {linger_ms:g} | {rejoin_ms:g} | {result['throughput_rps']} "
+            f"| {result['mean_batch']} | {result['ideal_rps']} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

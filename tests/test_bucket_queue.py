@@ -102,6 +102,29 @@ def test_without_lingering_the_oldest_request_waits_max_wait_only():
     assert len(queue.next_batch(now=0.01)) == 2
 
 
+def test_requests_queued_behind_a_busy_worker_wait_max_rejoin_once_it_frees():
+    """Long batches: the finished batch's clients need tens of ms to come back."""
+    policy = BatchPolicy(max_batch_size=8, max_wait_s=0.02, max_queue=10, max_rejoin_s=0.1)
+    queue = BucketQueue(policy)
+    for _ in range(4):
+        queue.push(pending(512, at=0.5))  # queued while the device ran a batch
+    assert queue.next_batch(now=1.05, free_since=1.0) is None  # past max_wait, not rejoin
+    assert queue.next_wakeup(free_since=1.0) == pytest.approx(1.1)
+    for at in (1.03, 1.06, 1.08):  # the last batch's clients come back
+        queue.push(pending(512, at=at))
+    assert queue.next_batch(now=1.09, free_since=1.0) is None
+    plan = queue.next_batch(now=1.1, free_since=1.0)
+    assert plan is not None and len(plan) == 7
+
+
+def test_a_request_that_finds_a_worker_idle_waits_max_wait_only():
+    policy = BatchPolicy(max_batch_size=8, max_wait_s=0.02, max_queue=10, max_rejoin_s=0.1)
+    queue = BucketQueue(policy)
+    queue.push(pending(512, at=2.0))  # the worker has been idle since 1.0
+    assert queue.next_wakeup(free_since=1.0) == pytest.approx(2.02)
+    assert len(queue.next_batch(now=2.02, free_since=1.0)) == 1
+
+
 def test_the_wait_counts_from_when_a_worker_became_free():
     """Requests queued behind a busy device wait for company from the moment it frees."""
     policy = BatchPolicy(max_batch_size=8, max_wait_s=0.01, max_queue=10, max_linger_s=0.04)
@@ -253,15 +276,18 @@ def test_next_wakeup_without_an_idle_worker_counts_only_deadlines():
     max_wait=st.floats(0, 0.5),
     merge=st.booleans(),
     linger=st.sampled_from([0.0, 0.05, 1.0]),
+    rejoin=st.sampled_from([0.0, 0.1, 0.6]),
     free_since=st.one_of(st.just(-float("inf")), st.floats(0, 3)),
 )
 def test_a_scheduler_woken_at_next_wakeup_finds_a_batch_or_an_expired_request(
-    arrivals, max_batch, max_wait, merge, linger, free_since
+    arrivals, max_batch, max_wait, merge, linger, rejoin, free_since
 ):
     """Property: readiness and wake-up times agree, with the wait counted from arrival or
     from a free worker, so a scheduler that sleeps until next_wakeup() neither stalls
     nor spins."""
-    policy = BatchPolicy(max_batch, max_wait, 100, merge_buckets=merge, max_linger_s=linger)
+    policy = BatchPolicy(
+        max_batch, max_wait, 100, merge_buckets=merge, max_linger_s=linger, max_rejoin_s=rejoin
+    )
     queue = BucketQueue(policy)
     for i, (bucket, at) in enumerate(sorted(arrivals, key=lambda a: a[1])):
         queue.push(Pending(payload=i, bucket=bucket, cost=1, enqueued_at=at, deadline=at + 60))
