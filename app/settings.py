@@ -77,6 +77,12 @@ class ImageSettings(ModelSettings):
     max_batch_size: int = Field(4, ge=1, le=256)
     max_wait_ms: float = Field(20.0, ge=0)
     max_queue: int = Field(64, ge=1)
+    max_rejoin_ms: float = Field(
+        100.0,
+        ge=0,
+        description="See ModelSettings. An image batch takes from a few hundred ms to "
+        "seconds, and its clients need tens of ms to receive their PNGs and ask again.",
+    )
     max_steps: int = Field(100, ge=1, description="Largest num_inference_steps accepted.")
     max_side: int = Field(1024, ge=8, description="Largest width or height accepted.")
     png_compress_level: int = Field(
