@@ -24,10 +24,15 @@ from opentelemetry.trace import Link
 
 from app.settings import ModelSettings, Settings
 from batching import Batcher, BatchPolicy, ProcessRunner, Worker, exit_with_parent
-from models.devices import allocator_bytes, make_current, resolve_devices
+from models.devices import make_current, resolve_devices
 from telemetry import BatchTelemetry, RequestTrace, metrics
 from telemetry.bottleneck import BottleneckSampler, watch_event_loop
-from telemetry.resources import add_allocator_source, remove_allocator_source, usable_cores
+from telemetry.resources import (
+    add_allocator_source,
+    allocator_bytes,
+    remove_allocator_source,
+    usable_cores,
+)
 
 log = logging.getLogger(__name__)
 
@@ -215,10 +220,11 @@ class Runtime:
     async def start(self) -> None:
         self.loop_watch = asyncio.get_running_loop().create_task(watch_event_loop())
         devices = resolve_devices(self.settings.device)
-        plan = process_plan(self.settings, devices, usable_cores())
+        cores = usable_cores()
+        plan = process_plan(self.settings, devices, cores)
         if plan.switch_interval_ms is not None:
             sys.setswitchinterval(plan.switch_interval_ms / 1000)
-        threads = self.settings.preprocess_threads or usable_cores()
+        threads = self.settings.preprocess_threads or cores
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="texel-preprocess")
         if count := plan.preprocess_processes:
             # spawn: forking a process that may already hold CUDA state is unsafe

@@ -195,25 +195,27 @@ def remove_allocator_source(source: AllocatorSource) -> None:
         _allocator_sources.remove(source)
 
 
-def _torch_allocator():
-    totals: dict[str, list[int]] = {}
-
-    def add(device: str, allocated: int, reserved: int) -> None:
-        total = totals.setdefault(device, [0, 0])
-        total[0] += allocated
-        total[1] += reserved
-
+def allocator_bytes(device) -> dict[str, tuple[int, int]]:
+    """{device: (allocated, reserved)} of this process's torch allocator on a CUDA
+    `device` (also what a worker process reports after each batch); else empty."""
     torch = sys.modules.get("torch")  # not imported: this process holds no tensors
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        for index in range(torch.cuda.device_count()):
-            add(
-                f"cuda:{index}",
-                torch.cuda.memory_allocated(index),
-                torch.cuda.memory_reserved(index),
-            )
-    for source in list(_allocator_sources):
-        for device, (allocated, reserved) in source().items():
-            add(device, allocated, reserved)
+    if torch is None or device.type != "cuda" or not torch.cuda.is_initialized():
+        return {}
+    return {str(device): (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))}
+
+
+def _torch_allocator():
+    torch = sys.modules.get("torch")
+    readings = [source() for source in list(_allocator_sources)]
+    if torch is not None and torch.cuda.is_available():
+        readings += [
+            allocator_bytes(torch.device("cuda", i)) for i in range(torch.cuda.device_count())
+        ]
+    totals: dict[str, tuple[int, int]] = {}
+    for reading in readings:
+        for device, (allocated, reserved) in reading.items():
+            held, kept = totals.get(device, (0, 0))
+            totals[device] = (held + allocated, kept + reserved)
     if not totals:
         return
     allocated = GaugeMetricFamily(

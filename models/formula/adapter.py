@@ -28,10 +28,10 @@ from transformers.utils import cached_file
 from transformers.utils import logging as transformers_logging
 
 from models.devices import (
-    make_current,
     model_name,
     out_of_memory_as_batching_error,
     resolve_dtype,
+    start_worker,
 )
 from models.formula.fast_decode import StaticGreedyDecoder
 from models.formula.preprocess import (
@@ -205,7 +205,13 @@ class FormulaRecognizer:
             "decoder": self.decoder_setting,
             "merge_buckets": self.merge_setting,
         }
-        return functools.partial(_worker_process, options, str(device), max_batch_size)
+        return functools.partial(
+            start_worker, FormulaRecognizer, options, str(device), max_batch_size
+        )
+
+    def worker_info(self, device: torch.device) -> dict:
+        """In the worker process: what `attach_worker` needs of it."""
+        return {"static_decoder": self.uses_static_decoder(device)}
 
     def attach_worker(self, device: torch.device, info: dict) -> None:
         """Record that `device`'s batches run in a worker process, as its `info` says."""
@@ -352,16 +358,6 @@ class FormulaRecognizer:
             stopping_criteria=StoppingCriteriaList([_StopWhen(should_stop)]),
         )
         return output.tolist()
-
-
-def _worker_process(options: dict, device: str, max_batch_size: int):
-    """In a worker process: load and warm up the model on `device`; its batch runner."""
-    target = torch.device(device)
-    make_current(target)
-    recognizer = FormulaRecognizer(devices=[target], **options)
-    recognizer.load()
-    recognizer.warmup(target, max_batch_size)
-    return recognizer.runner(target), {"static_decoder": recognizer.uses_static_decoder(target)}
 
 
 def compact_latex(latex: str) -> str:

@@ -26,10 +26,10 @@ from transformers.utils import cached_file
 from transformers.utils import logging as transformers_logging
 
 from models.devices import (
-    make_current,
     model_name,
     out_of_memory_as_batching_error,
     resolve_dtype,
+    start_worker,
 )
 from models.errors import InvalidParameter
 
@@ -138,7 +138,15 @@ class ImageGenerator:
             "max_steps": self.max_steps,
             "max_side": self.max_side,
         }
-        return functools.partial(_worker_process, options, str(device), max_batch_size)
+        return functools.partial(start_worker, ImageGenerator, options, str(device), max_batch_size)
+
+    def worker_info(self, device: torch.device) -> dict:
+        """In the worker process: what requests need, for `attach_worker`."""
+        return {
+            "defaults": self.defaults,
+            "size_multiple": self.size_multiple,
+            "tokenizer": self._prompt_tokenizer,
+        }
 
     def attach_worker(self, device: torch.device, info: dict) -> None:
         """Take the defaults and the prompt tokenizer a worker process loaded."""
@@ -287,19 +295,3 @@ class ImageGenerator:
             out.append(GeneratedImages(images[start : start + count], job.seeds, step_times))
             start += count
         return out
-
-
-def _worker_process(options: dict, device: str, max_batch_size: int):
-    """In a worker process: load and warm up the pipeline on `device`; its batch runner,
-    and what the serving process needs to validate and tokenize requests."""
-    target = torch.device(device)
-    make_current(target)
-    generator = ImageGenerator(devices=[target], **options)
-    generator.load()
-    generator.warmup(target, max_batch_size)
-    info = {
-        "defaults": generator.defaults,
-        "size_multiple": generator.size_multiple,
-        "tokenizer": generator._prompt_tokenizer,
-    }
-    return generator.runner(target), info
