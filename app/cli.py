@@ -10,9 +10,13 @@ import sys
 
 import uvicorn
 
+from app.http_processes import HttpProcesses
 from app.main import build_app
+from app.serving import process_plan
 from app.settings import Settings
+from models.devices import resolve_devices
 from telemetry import setup_logging
+from telemetry.resources import usable_cores
 
 log = logging.getLogger("texel")
 
@@ -60,7 +64,15 @@ def serve(host: str, port: int) -> None:
         log_config=None,
         timeout_graceful_shutdown=int(settings.drain_timeout_s) + 5,
     )
-    TexelServer(config, app.state.runtime).run()
+    server = TexelServer(config, app.state.runtime)
+    plan = process_plan(settings, resolve_devices(settings.device), usable_cores())
+    if plan.http_processes == 1:
+        server.run()
+        return
+    # The other HTTP processes accept connections on this same socket.
+    sock = config.bind_socket()
+    app.state.runtime.http_processes = HttpProcesses(sock, plan.http_processes - 1)
+    server.run(sockets=[sock])
 
 
 def diagnose(url: str, window_s: float, api_key: str | None) -> int:

@@ -20,10 +20,14 @@ log = logging.getLogger(__name__)
 UNTRACED_ROUTES = "livez,readyz,metrics"
 
 
-def build_app(settings: Settings | None = None) -> FastAPI:
-    """Assemble Texel. Models load in the background once the server starts."""
+def build_app(settings: Settings | None = None, runtime: Runtime | None = None) -> FastAPI:
+    """Assemble Texel. Models load in the background once the server starts.
+
+    `runtime`: what serves the routes; by default a `Runtime` that loads the models
+    and batches here (an extra HTTP process passes its own, app.http_processes).
+    """
     settings = settings or Settings()
-    runtime = Runtime(settings)
+    runtime = runtime or Runtime(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Annotated
 
@@ -23,6 +24,7 @@ from app.serving import Runtime, ServedModel
 from models.errors import InputError
 from telemetry import RequestTrace, metrics
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 ERRORS = {
@@ -104,6 +106,8 @@ async def _handle(request: Request, route: str, key: str, flow) -> Response:
                 metrics.REJECTED.labels(label, "not_ready").inc()
             elif error.status == 500:
                 metrics.REJECTED.labels(label, "failed").inc()
+                if error.code == "internal_error":
+                    log.error("%s failed", route, exc_info=exc)
             observed.finish(error.status, trace.trace_id if trace else None)
             return error_response(error)
 
@@ -215,13 +219,9 @@ async def livez() -> dict[str, str]:
     summary="Models loaded and warmed up, not draining",
 )
 async def readyz(request: Request) -> JSONResponse:
-    runtime = runtime_of(request)
-    body = Readiness(
-        ready=runtime.ready,
-        draining=runtime.draining,
-        models={key: m.state for key, m in runtime.models.items()},
-    )
-    return JSONResponse(body.model_dump(), status_code=200 if runtime.ready else 503)
+    ready, draining, models = await runtime_of(request).readiness()
+    body = Readiness(ready=ready, draining=draining, models=models)
+    return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
 
 
 @router.get(
@@ -234,12 +234,12 @@ async def bottleneck(
     window_s: Annotated[float, Query(ge=0.5, le=120, description="Sampling window.")] = 10.0,
 ) -> dict:
     """Four-quadrant diagnosis: cpu_bound, gpu_bound, starved or saturated, with the numbers."""
-    runtime = runtime_of(request)
-    verdict = await runtime.bottleneck.diagnose(window_s)
-    return verdict.as_dict()
+    return await runtime_of(request).diagnose(window_s)
 
 
 @router.get("/metrics", summary="Prometheus metrics (OpenMetrics when asked for)")
 async def prometheus_metrics(request: Request) -> Response:
-    payload, content_type = metrics.exposition(request.headers.get("accept"))
+    payload, content_type = await runtime_of(request).metrics_exposition(
+        request.headers.get("accept")
+    )
     return Response(payload, media_type=content_type)

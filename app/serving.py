@@ -22,8 +22,16 @@ from typing import Any
 
 from opentelemetry.trace import Link
 
+from app.errors import not_ready
 from app.settings import ModelSettings, Settings
-from batching import Batcher, BatchPolicy, ProcessRunner, Worker, exit_with_parent
+from batching import (
+    Batcher,
+    BatchPolicy,
+    BatchResult,
+    ProcessRunner,
+    Worker,
+    exit_with_parent,
+)
 from models.devices import make_current, resolve_devices
 from telemetry import BatchTelemetry, RequestTrace, metrics
 from telemetry.bottleneck import BottleneckSampler, watch_event_loop
@@ -54,6 +62,7 @@ class ServedModel:
         # Batches run in one child process per device (adapters with `worker_factory`).
         self.worker_processes = worker_processes and hasattr(adapter, "worker_factory")
         self.runners: list[ProcessRunner] = []
+        self.worker_infos: dict[str, dict] = {}
         self.timeout_s = timeout_s
         self.state = "loading"
         self.error: str | None = None
@@ -134,8 +143,18 @@ class ServedModel:
         self.runners.append(runner)
         info = await loop.run_in_executor(executor, runner.start)
         self.adapter.attach_worker(device, info)
+        self.worker_infos[str(device)] = info
         log.info("%s worker for %s runs in process %s", self.key, device, runner.pid)
         return runner
+
+    def request_infos(self) -> list[tuple[Any, dict]]:
+        """[(device, info)] for `adapter.attach_worker` in another process that handles
+        this model's requests (its tokenizer settings, defaults, decoder): what each
+        worker process reported, or what the adapter here says."""
+        return [
+            (device, self.worker_infos.get(str(device)) or self.adapter.worker_info(device))
+            for device in self.adapter.devices
+        ]
 
     def worker_memory(self) -> dict[str, tuple[int, int]]:
         """GPU memory of the worker processes' torch allocators, {device: (allocated,
@@ -150,19 +169,23 @@ class ServedModel:
         for runner in self.runners:
             runner.close()
 
-    async def submit(self, trace: RequestTrace, payload: Any) -> Any:
-        """Queue a preprocessed payload; record `queue.wait` and `generate` spans."""
-        assert self.batcher is not None
-        submitted_ns = time.time_ns()
-        bucket_key = self.adapter.bucket(payload)
-        result = await self.batcher.submit(
+    async def enqueue(self, payload: Any, context: Any = None) -> BatchResult:
+        """Hand a preprocessed payload to the batcher and wait for its result."""
+        if self.batcher is None:
+            raise not_ready(f"the {self.key} model is not serving yet")
+        return await self.batcher.submit(
             payload,
-            bucket=bucket_key,
+            bucket=self.adapter.bucket(payload),
             cost=self.adapter.cost(payload),
             timeout_s=self.timeout_s,
-            context=trace.span_context,
+            context=context,
         )
-        bucket = str(bucket_key)
+
+    async def submit(self, trace: RequestTrace, payload: Any) -> BatchResult:
+        """Queue a preprocessed payload; record `queue.wait` and `generate` spans."""
+        submitted_ns = time.time_ns()
+        result = await self.enqueue(payload, trace.span_context)
+        bucket = str(self.adapter.bucket(payload))
         trace.record("queue.wait", submitted_ns, result.queue_wait_s, **{"texel.bucket": bucket})
         links = [Link(result.batch_ref)] if result.batch_ref is not None else None
         trace.record(
@@ -192,6 +215,8 @@ class Runtime:
     loop_watch: asyncio.Task | None = None
     bottleneck: BottleneckSampler = field(default_factory=BottleneckSampler)
     compute_threads: dict[str, ThreadPoolExecutor] = field(default_factory=dict)
+    # The other HTTP processes on the port (app.http_processes.HttpProcesses), when there are any.
+    http_processes: Any = None
 
     @property
     def ready(self) -> bool:
@@ -203,6 +228,19 @@ class Runtime:
         """The `model` label of a task's metrics: the served model's name."""
         served = self.models.get(key)
         return served.name if served is not None else key
+
+    async def readiness(self) -> tuple[bool, bool, dict[str, str]]:
+        """(ready, draining, {model: state}) for /readyz."""
+        states = {key: model.state for key, model in self.models.items()}
+        return self.ready, self.draining, states
+
+    async def metrics_exposition(self, accept: str | None) -> tuple[bytes, str]:
+        """/metrics: this process's registry plus the other HTTP processes' samples."""
+        others = await self.http_processes.snapshots() if self.http_processes is not None else []
+        return metrics.exposition(accept, others)
+
+    async def diagnose(self, window_s: float) -> dict:
+        return (await self.bottleneck.diagnose(window_s)).as_dict()
 
     async def run_in_pool(self, fn, *args):
         assert self.pool is not None
@@ -240,6 +278,9 @@ class Runtime:
         self.models = _build_models(self.settings, devices, plan.worker_processes)
         # Load in the background: /livez answers at once and /readyz reports progress.
         self.loader = asyncio.get_running_loop().create_task(self._load_all())
+        metrics.HTTP_PROCESSES.set(1)  # each of the others adds itself once it accepts
+        if self.http_processes is not None:
+            await self.http_processes.start(self)
 
     def compute_thread(self, model: str, device) -> ThreadPoolExecutor:
         """The thread that runs batches of `model` on `device`.
@@ -267,6 +308,8 @@ class Runtime:
         """Stop taking requests and finish every queued and running one."""
         self.draining = True
         timeout = self.settings.drain_timeout_s
+        if self.http_processes is not None:  # they finish their requests through the batchers
+            await self.http_processes.stop(timeout)
         batchers = [m.batcher for m in self.models.values() if m.batcher is not None]
         await asyncio.gather(*(b.drain(timeout) for b in batchers))
 
@@ -276,6 +319,8 @@ class Runtime:
             self.loader.cancel()
         if self.loop_watch is not None:
             self.loop_watch.cancel()
+        if self.http_processes is not None:
+            await self.http_processes.stop(0)
         for model in self.models.values():
             if model.batcher is not None:
                 await model.batcher.close()
@@ -295,34 +340,42 @@ class ProcessPlan:
     preprocess_processes: int
     switch_interval_ms: float | None  # None: Python's default
     worker_processes: bool
+    http_processes: int = 1
 
 
 def process_plan(settings: Settings, devices, cores: int) -> ProcessPlan:
     """Unset settings follow the devices.
 
     On a GPU the serving process's interpreter lock is the bottleneck (measured on an
-    H200, README: Benchmarks): batches run in a worker process per device, image
-    decoding in preprocessing processes, and the switch interval drops to 0.5 ms, so a
-    thread that waited on the GPU or a pipe gets the lock back within 0.5 ms instead of
-    5. With worker processes, 4 preprocessing processes served more than 8 (they leave
-    cores to the workers). On a CPU the model computes in torch without the lock, and
-    everything stays in one process, as Python has it.
+    H200, README: Benchmarks): batches run in a worker process per device, HTTP is
+    answered by several processes on the same port (each decoding its own images), and
+    the switch interval drops to 0.5 ms, so a thread that waited on the GPU or a pipe
+    gets the lock back within 0.5 ms instead of 5. With a single HTTP process, image
+    decoding moves to preprocessing processes instead (4 beside worker processes served
+    more than 8: they leave cores to the workers). On a CPU the model computes in torch
+    without the lock, and everything stays in one process, as Python has it.
     """
     on_gpu = any(device.type == "cuda" for device in devices)
     workers = settings.worker_processes
     if workers is None:
         workers = on_gpu
+    http = settings.http_processes
+    if http is None:
+        http = max(1, min(4, cores // 4)) if on_gpu else 1
     count = settings.preprocess_processes
     if count is None:
         share = min(4, cores // 4) if workers else min(8, cores // 2)
-        count = share if on_gpu and settings.formula.enabled else 0
+        count = share if on_gpu and settings.formula.enabled and http == 1 else 0
     interval_ms = settings.switch_interval_ms or (0.5 if on_gpu else None)
-    return ProcessPlan(count, interval_ms, workers)
+    return ProcessPlan(count, interval_ms, workers, http)
 
 
-def _build_models(settings: Settings, devices, worker_processes: bool) -> dict[str, ServedModel]:
+def _build_models(
+    settings: Settings, devices, worker_processes: bool, served_class=None
+) -> dict[str, ServedModel]:
     # Each model family imports its libraries only when enabled: a formula-only
     # replica never imports diffusers.
+    served_class = served_class or ServedModel
     served: dict[str, ServedModel] = {}
     if settings.formula.enabled:
         from models.formula.adapter import FormulaRecognizer
@@ -340,7 +393,7 @@ def _build_models(settings: Settings, devices, worker_processes: bool) -> dict[s
             decoder=f.decoder,
             merge_buckets=f.merge_buckets,
         )
-        served["formula"] = ServedModel(
+        served["formula"] = served_class(
             "formula",
             adapter,
             f,
@@ -359,7 +412,7 @@ def _build_models(settings: Settings, devices, worker_processes: bool) -> dict[s
             max_steps=i.max_steps,
             max_side=i.max_side,
         )
-        served["image"] = ServedModel(
+        served["image"] = served_class(
             "image",
             adapter,
             i,

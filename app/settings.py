@@ -130,14 +130,23 @@ class Settings(BaseSettings):
         ge=0,
         description="Worker processes decoding formula images, away from the serving "
         "process's interpreter lock; 0 decodes on the threads above. Unset: when formulas "
-        "run on a GPU, min(4, cores / 4) beside worker processes (below), min(8, cores / 2) "
-        "without them; else 0.",
+        "run on a GPU with a single HTTP process (below), min(4, cores / 4) beside worker "
+        "processes, min(8, cores / 2) without them; else 0.",
     )
     worker_processes: bool | None = Field(
         None,
         description="Run each model's batches on each device in a worker process of its "
         "own (its own interpreter lock), not on a thread of the serving process. Unset: "
         "true when a model runs on a GPU, else false.",
+    )
+    http_processes: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="Processes answering HTTP on the port, each with its own interpreter "
+        "lock: `texel serve` starts the others, which parse, decode and encode there and "
+        "hand the decoded inputs to this process's batchers. Unset: min(4, cores / 4) when "
+        "a model runs on a GPU, else 1.",
     )
     switch_interval_ms: float | None = Field(
         None,

@@ -24,14 +24,13 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import pickle
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from batching.batcher import BatchRunner, ShouldStop
-from batching.errors import BatchFailed
+from batching.errors import BatchFailed, picklable
 
 Build = Callable[[], tuple[BatchRunner, dict]]
 Report = Callable[[], Any]
@@ -167,21 +166,13 @@ def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="texel-parent-watch", daemon=True).start()
 
 
-def _picklable(exc: BaseException) -> BaseException:
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:
-        return BatchFailed(f"{type(exc).__name__}: {exc}")
-
-
 def _serve(build: Build, conn, stop, parent_pid: int, report: Report | None = None) -> None:
     """The child: build the runner, report ready, then run batches until told to stop."""
     exit_with_parent(parent_pid)
     try:
         run, info = build()
     except BaseException as exc:  # reported to start(), which raises it in the parent
-        conn.send(("error", _picklable(exc)))
+        conn.send(("error", picklable(exc)))
         return
     _send_report(conn, report)
     conn.send(("ready", info))
@@ -197,7 +188,7 @@ def _serve(build: Build, conn, stop, parent_pid: int, report: Report | None = No
             result = run(payloads, stop.is_set)
         except Exception as exc:
             _send_report(conn, report)
-            conn.send(("error", _picklable(exc)))
+            conn.send(("error", picklable(exc)))
         else:
             _send_report(conn, report)
             conn.send(("ok", result))

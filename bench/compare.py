@@ -111,13 +111,15 @@ def texel_extras(before: dict[str, float], after: dict[str, float]) -> dict:
 class LitServeProcess:
     """bench.litserve_formula in a subprocess on a free port."""
 
-    def __init__(self, model: str, max_batch_size: int, batch_timeout: float) -> None:
+    def __init__(
+        self, model: str, max_batch_size: int, batch_timeout: float, api_servers: int = 1
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path("/tmp") / f"texel-litserve-{self.port}.log"
         args = [sys.executable, "-m", "bench.litserve_formula", "--model", model]
         args += ["--port", str(self.port), "--max-batch-size", str(max_batch_size)]
-        args += ["--batch-timeout", str(batch_timeout)]
+        args += ["--batch-timeout", str(batch_timeout), "--api-servers", str(api_servers)]
         with self.log.open("wb") as log:
             # its own process group: LitServe's inference workers are children to stop too
             self.process = subprocess.Popen(
@@ -275,10 +277,15 @@ def run(args) -> list[dict]:
                 # uvicorn re-raises the stop signal once drained: SIGINT becomes a
                 # KeyboardInterrupt, which lets cProfile write its stats; SIGTERM would not
                 proc.stop(signal.SIGINT if profile else signal.SIGTERM)
-        elif server == "litserve":
-            lit = LitServeProcess(args.model, args.max_batch_size, args.max_wait_ms / 1000)
+        elif server.startswith("litserve"):  # litserve-N: N HTTP processes (num_api_servers)
+            api_servers = int(server.partition("-")[2] or 1)
+            lit = LitServeProcess(
+                args.model, args.max_batch_size, args.max_wait_ms / 1000, api_servers
+            )
             try:
-                records += sweep(args, server, lit.url, json_workload("/predict", images), False)
+                workload = json_workload("/predict", images)
+                for r in sweep(args, server, lit.url, workload, False):
+                    records.append({**r, "api_servers": api_servers})
             finally:
                 lit.stop()
         elif server == "model-only":

@@ -1,7 +1,7 @@
 """The same formula model behind LitServe, the peer a user might pick instead of Texel.
 
     python -m bench.litserve_formula --model models/formula/default --port 8100 \
-        --max-batch-size 64 --batch-timeout 0.01
+        --max-batch-size 64 --batch-timeout 0.01 --api-servers 1
 
 It uses Texel's own adapter for preprocessing, batching and decoding, so the
 comparison measures the serving layer, not the model code. Requests are JSON
@@ -57,6 +57,9 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--batch-timeout", type=float, default=0.01)
+    parser.add_argument(
+        "--api-servers", type=int, default=1, help="LitServe's num_api_servers (HTTP processes)"
+    )
     args = parser.parse_args()
     device = resolve_devices(args.device)[0]
     api = FormulaAPI(
@@ -64,7 +67,12 @@ def main() -> None:
     )
     accelerator = "cuda" if device.type == "cuda" else "cpu"
     server = ls.LitServer(api, accelerator=accelerator, devices=1, timeout=120)
-    server.run(port=args.port, host="127.0.0.1", generate_client_file=False)
+    server.run(
+        port=args.port,
+        host="127.0.0.1",
+        generate_client_file=False,
+        num_api_servers=args.api_servers,
+    )
 
 
 if __name__ == "__main__":

@@ -7,11 +7,14 @@ process collector.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
+    Metric,
     ProcessCollector,
 )
 from prometheus_client.exposition import choose_encoder
@@ -126,6 +129,34 @@ MODEL_READY = Gauge(
     ["model"],
     registry=REGISTRY,
 )
+HTTP_PROCESSES = Gauge(
+    "texel_http_processes",
+    "Processes answering HTTP on Texel's port, the serving process included "
+    "(TEXEL_HTTP_PROCESSES).",
+    registry=REGISTRY,
+)
+FORWARDED = Counter(
+    "texel_forwarded_requests",
+    "Inference requests handed to the serving process's batchers by each extra HTTP "
+    "process (numbered from 1).",
+    ["process"],
+    registry=REGISTRY,
+)
+
+# Recorded by whichever HTTP process handled the request. The serving process's
+# /metrics adds up every HTTP process's samples of these (see `exposition`).
+PER_HTTP_PROCESS = (
+    STAGE_DURATION,
+    REQUEST_DURATION,
+    QUEUE_WAIT,
+    INFLIGHT,
+    REJECTED,
+    OUTPUT_TOKENS,
+    TIME_PER_OUTPUT_TOKEN,
+    DENOISING_STEP,
+    IMAGES_GENERATED,
+    EVENT_LOOP_LAG,
+)
 
 
 def _register_resources() -> None:
@@ -137,7 +168,53 @@ def _register_resources() -> None:
 _register_resources()
 
 
-def exposition(accept_header: str | None) -> tuple[bytes, str]:
-    """Render the registry as Prometheus text, or OpenMetrics (with exemplars) if asked."""
+def snapshot() -> list[Metric]:
+    """This process's samples of the metrics that every HTTP process records."""
+    return [family for metric in PER_HTTP_PROCESS for family in metric.collect()]
+
+
+def exposition(accept_header: str | None, others: Iterable[list[Metric]] = ()) -> tuple[bytes, str]:
+    """Render the registry as Prometheus text, or OpenMetrics (with exemplars) if asked,
+    with the `snapshot()`s of the other HTTP processes added in."""
     encoder, content_type = choose_encoder(accept_header or "")
-    return encoder(REGISTRY), content_type
+    others = list(others)
+    return encoder(_Summed(others) if others else REGISTRY), content_type
+
+
+class _Summed:
+    """The registry's families with the same families of other processes added up:
+    counts, sums and gauges add; a `_created` time is the earliest."""
+
+    def __init__(self, others: list[list[Metric]]) -> None:
+        self.others = others
+
+    def collect(self) -> Iterator[Metric]:
+        extra: dict[str, list[Metric]] = {}
+        for families in self.others:
+            for family in families:
+                extra.setdefault(family.name, []).append(family)
+        for family in REGISTRY.collect():
+            yield _sum(family, extra.pop(family.name, []))
+        for families in extra.values():
+            yield _sum(families[0], families[1:])
+
+
+def _sum(family: Metric, others: list[Metric]) -> Metric:
+    if not others:
+        return family
+    samples = {}
+    for source in (family, *others):
+        for sample in source.samples:
+            key = (sample.name, tuple(sorted(sample.labels.items())))
+            seen = samples.get(key)
+            if seen is None:
+                samples[key] = sample
+                continue
+            if sample.name.endswith("_created"):
+                value = min(seen.value, sample.value)
+            else:
+                value = seen.value + sample.value
+            samples[key] = seen._replace(value=value, exemplar=sample.exemplar or seen.exemplar)
+    summed = Metric(family.name, family.documentation, family.type, family.unit)
+    summed.samples = list(samples.values())
+    return summed

@@ -49,20 +49,25 @@ def test_process_plan_follows_the_devices_unless_set() -> None:
     from app.serving import ProcessPlan, process_plan
 
     cpu, gpu = [torch.device("cpu")], [torch.device("cuda", 0), torch.device("cuda", 1)]
-    assert process_plan(Settings(), cpu, cores=2) == ProcessPlan(0, None, False)
-    assert process_plan(Settings(), gpu, cores=16) == ProcessPlan(4, 0.5, True)
-    assert process_plan(Settings(), gpu, cores=6) == ProcessPlan(1, 0.5, True)
-    threads = Settings(worker_processes=False)
-    assert process_plan(threads, gpu, cores=16) == ProcessPlan(8, 0.5, False)
-    assert process_plan(threads, gpu, cores=6) == ProcessPlan(3, 0.5, False)
-    set_explicitly = Settings(preprocess_processes=0, switch_interval_ms=5)
-    assert process_plan(set_explicitly, gpu, cores=16) == ProcessPlan(0, 5, True)
+    assert process_plan(Settings(), cpu, cores=2) == ProcessPlan(0, None, False, 1)
+    # On a GPU: HTTP processes decode their own images, so no preprocessing processes...
+    assert process_plan(Settings(), gpu, cores=16) == ProcessPlan(0, 0.5, True, 4)
+    # ...unless there are too few cores for more than one HTTP process.
+    assert process_plan(Settings(), gpu, cores=6) == ProcessPlan(1, 0.5, True, 1)
+    one_http = Settings(http_processes=1)
+    assert process_plan(one_http, gpu, cores=16) == ProcessPlan(4, 0.5, True, 1)
+    threads = Settings(worker_processes=False, http_processes=1)
+    assert process_plan(threads, gpu, cores=16) == ProcessPlan(8, 0.5, False, 1)
+    assert process_plan(threads, gpu, cores=6) == ProcessPlan(3, 0.5, False, 1)
+    set_explicitly = Settings(preprocess_processes=2, switch_interval_ms=5, http_processes=3)
+    assert process_plan(set_explicitly, gpu, cores=16) == ProcessPlan(2, 5, True, 3)
     assert process_plan(Settings(preprocess_processes=2), cpu, cores=2) == ProcessPlan(
-        2, None, False
+        2, None, False, 1
     )
     assert process_plan(Settings(worker_processes=True), cpu, cores=2).worker_processes
+    assert process_plan(Settings(http_processes=2), cpu, cores=2).http_processes == 2
     images_only = Settings(formula={"enabled": False})
-    assert process_plan(images_only, gpu, cores=16) == ProcessPlan(0, 0.5, True)
+    assert process_plan(images_only, gpu, cores=16) == ProcessPlan(0, 0.5, True, 4)
 
 
 def test_usable_cores_follow_the_container_cpu_limit(tmp_path) -> None:

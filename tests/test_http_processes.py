@@ -1,0 +1,162 @@
+"""Several HTTP processes on one port (TEXEL_HTTP_PROCESSES), and the channel between them."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import signal
+import socket
+import time
+
+import httpx
+import psutil
+import pytest
+
+from app.channel import Channel, ChannelClosed
+from batching import QueueFull
+from tests.conftest import formula_png
+
+SLOW = {"prompt": "a slow one", "num_inference_steps": 40, "seed": 1}
+
+
+def _wait_for(check, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def _http_children(server) -> list[psutil.Process]:
+    """The extra HTTP processes: spawned children of the serving process."""
+    children = psutil.Process(server.process.pid).children()
+    return [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+
+
+def _start(start_server, count: int = 3, **env: str):
+    server = start_server(TEXEL_HTTP_PROCESSES=str(count), **env)
+    _wait_for(lambda: server.metric("texel_http_processes") == count)
+    return server
+
+
+def _recognize_on_new_connections(server, count: int, concurrency: int = 6) -> list:
+    image = formula_png()
+
+    def post(_):  # a new connection each time, so the kernel hands them to any process
+        return httpx.post(
+            server.url + "/recognize", files={"image": ("f.png", image, "image/png")}, timeout=60
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(post, range(count)))
+
+
+def test_http_processes_share_the_port_batchers_and_metrics(start_server):
+    server = _start(start_server, TEXEL_FORMULA__MAX_WAIT_MS="50")
+    assert len(_http_children(server)) == 2
+    responses = _recognize_on_new_connections(server, 30)
+    assert [r.status_code for r in responses] == [200] * 30
+    assert len({r.json()["latex"] for r in responses}) == 1  # same image, same answer
+    forwarded = server.metric("texel_forwarded_requests_total")
+    assert 0 < forwarded <= 30  # some came through the other two processes...
+    # ...and /metrics, wherever it lands, adds up every process's request metrics.
+    for _ in range(4):
+        total = server.metric(
+            "texel_request_duration_seconds_count", route="/recognize", status="200"
+        )
+        assert total == 30
+    # Bad input is refused by whichever process took it, and changes nothing else.
+    bad = [
+        httpx.post(server.url + "/recognize", files={"image": ("f.png", b"not a png")})
+        for _ in range(6)
+    ]
+    assert {r.status_code for r in bad} == {415} or {r.status_code for r in bad} == {400}
+    assert server.metric("texel_requests_rejected_total", reason="invalid") == 6
+    ready = [httpx.get(server.url + "/readyz") for _ in range(6)]
+    assert all(r.status_code == 200 and r.json()["ready"] for r in ready)
+    image = httpx.post(server.url + "/generate", json={"prompt": "x", "num_inference_steps": 2})
+    assert image.status_code == 200
+
+
+def test_a_killed_http_process_is_replaced_and_requests_keep_succeeding(start_server):
+    server = _start(start_server, count=2)
+    (child,) = _http_children(server)
+    child.kill()
+    _wait_for(lambda: server.metric("texel_http_processes") == 1)
+    responses = _recognize_on_new_connections(server, 8)
+    assert [r.status_code for r in responses] == [200] * 8
+    _wait_for(lambda: server.metric("texel_http_processes") == 2)
+    (replacement,) = _http_children(server)
+    assert replacement.pid != child.pid
+    assert "exited with code -9" in server.log_path.read_text()
+
+
+def test_sigterm_lets_every_process_finish_its_requests_then_stops_them_all(start_server):
+    server = _start(start_server, TEXEL_SHUTDOWN_GRACE_S="1", TEXEL_IMAGE__MAX_BATCH_SIZE="1")
+    children = _http_children(server)
+
+    def post(i):
+        return httpx.post(server.url + "/generate", json={**SLOW, "seed": i}, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(post, i) for i in range(4)]
+        # The in-flight gauge is summed over the processes that hold the requests.
+        _wait_for(lambda: server.metric("texel_inflight_requests", route="/generate") >= 4)
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        ready = httpx.get(server.url + "/readyz")
+        assert ready.status_code == 503 and ready.json()["draining"] is True
+        assert [f.result().status_code for f in futures] == [200] * 4
+    assert server.process.wait(60) in (0, -signal.SIGTERM)
+    _wait_for(lambda: not any(c.is_running() and c.status() != "zombie" for c in children), 10)
+
+
+# -- the channel itself ---------------------------------------------------------------
+
+
+class _Far:
+    def __init__(self) -> None:
+        self.cancelled = asyncio.Event()
+
+    async def rpc_echo(self, value):
+        return value
+
+    def rpc_full(self):
+        raise QueueFull(7, 2.5)
+
+    async def rpc_forever(self):
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+async def _pair(far_handler):
+    left, right = socket.socketpair(socket.AF_UNIX)
+    near = Channel(*await asyncio.open_unix_connection(sock=left), object(), "near")
+    far = Channel(*await asyncio.open_unix_connection(sock=right), far_handler, "far")
+    return near, far
+
+
+def test_the_channel_carries_results_errors_and_cancellation():
+    async def scenario():
+        handler = _Far()
+        near, far = await _pair(handler)
+        big = bytes(range(256)) * 20_000  # 5 MB: more than the socket buffers at once
+        assert await near.call("echo", big) == big
+        with pytest.raises(QueueFull) as raised:
+            await near.call("full")
+        assert raised.value.retry_after_s == 2.5 and raised.value.waiting == 7
+        waiting = asyncio.create_task(near.call("forever"))
+        await asyncio.sleep(0.1)
+        waiting.cancel()
+        await asyncio.wait_for(handler.cancelled.wait(), 5)  # the far task was cancelled
+        pending = asyncio.create_task(near.call("forever"))
+        await asyncio.sleep(0.1)
+        far.close()
+        with pytest.raises(ChannelClosed):
+            await pending
+        with pytest.raises(ChannelClosed):
+            await near.call("echo", 1)
+
+    asyncio.run(scenario())
