@@ -50,6 +50,12 @@ class FormulaSettings(ModelSettings):
         description="VisionEncoderDecoderModel directory or hub id.",
     )
     max_batch_size: int = Field(16, ge=1, le=1024)
+    max_rejoin_ms: float = Field(
+        25.0,
+        ge=0,
+        description="See ModelSettings. On an H200 with 4 HTTP processes, 25 ms served 623 "
+        "formulas/s at concurrency 256 against 414 with 0 ms (395 against 407 at 128).",
+    )
     bucket_width: int = Field(
         64, ge=8, description="Width granularity of formula buckets, in input pixels."
     )
