@@ -34,7 +34,7 @@ from typing import Any
 
 from app.channel import Channel, ChannelClosed
 from app.errors import ApiError
-from app.serving import Runtime, ServedModel, _build_models, process_plan
+from app.serving import Runtime, ServedModel, build_models, process_plan
 from app.settings import Settings
 from batching import BatchResult, exit_with_parent
 from models.devices import resolve_devices
@@ -274,7 +274,7 @@ class HttpProcessRuntime(Runtime):
             sys.setswitchinterval(plan.switch_interval_ms / 1000)
         threads = self.settings.preprocess_threads or min(4, cores)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="texel-preprocess")
-        self.models = _build_models(self.settings, devices, False, served_class=RemoteModel)
+        self.models = build_models(self.settings, devices, False, served_class=RemoteModel)
         self.channel = await Channel.connect(self.serving_path, self, f"HTTP process {self.index}")
         await self.channel.call("hello", self.index, os.getpid())
         for model in self.models.values():

@@ -18,7 +18,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import Link
 
@@ -41,6 +41,9 @@ from telemetry.resources import (
     remove_allocator_source,
     usable_cores,
 )
+
+if TYPE_CHECKING:
+    from app.http_processes import HttpProcesses
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +218,8 @@ class Runtime:
     loop_watch: asyncio.Task | None = None
     bottleneck: BottleneckSampler = field(default_factory=BottleneckSampler)
     compute_threads: dict[str, ThreadPoolExecutor] = field(default_factory=dict)
-    # The other HTTP processes on the port (app.http_processes.HttpProcesses), when there are any.
-    http_processes: Any = None
+    # The other HTTP processes on the port, when there are any.
+    http_processes: HttpProcesses | None = None
 
     @property
     def ready(self) -> bool:
@@ -275,7 +278,7 @@ class Runtime:
             )
             for _ in range(count):  # start them now, not on the first requests
                 self.processes.submit(os.getpid)
-        self.models = _build_models(self.settings, devices, plan.worker_processes)
+        self.models = build_models(self.settings, devices, plan.worker_processes)
         # Load in the background: /livez answers at once and /readyz reports progress.
         self.loader = asyncio.get_running_loop().create_task(self._load_all())
         metrics.HTTP_PROCESSES.set(1)  # each of the others adds itself once it accepts
@@ -370,9 +373,10 @@ def process_plan(settings: Settings, devices, cores: int) -> ProcessPlan:
     return ProcessPlan(count, interval_ms, workers, http)
 
 
-def _build_models(
+def build_models(
     settings: Settings, devices, worker_processes: bool, served_class=None
 ) -> dict[str, ServedModel]:
+    """One `served_class` (default `ServedModel`) per enabled model, not yet loaded."""
     # Each model family imports its libraries only when enabled: a formula-only
     # replica never imports diffusers.
     served_class = served_class or ServedModel

@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from bench.common import append_records, commit, formula_images, machine
+from bench.common import append_records, commit, formula_images, machine, otlp_sink
 from bench.load import LoadResult, Workload, closed_loop
 from bench.server import ROOT, ServerProcess
 
@@ -25,27 +25,6 @@ PROMPTS = [
     "a green triangle and a white circle on a gray background",
     "three purple circles on a white background",
 ]
-
-
-def otlp_sink() -> str:
-    """A local OTLP/HTTP endpoint that accepts and discards spans, so export costs are real."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class Sink(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - the stdlib's name
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_address[1]}"
 
 
 def formula_workload(images: list[bytes]) -> Workload:

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import signal
 import socket
+import threading
 import time
 
 import httpx
@@ -14,6 +15,7 @@ import pytest
 
 from app.channel import Channel, ChannelClosed
 from batching import QueueFull
+from bench.common import otlp_sink
 from tests.conftest import formula_png
 
 SLOW = {"prompt": "a slow one", "num_inference_steps": 40, "seed": 1}
@@ -75,6 +77,43 @@ def test_http_processes_share_the_port_batchers_and_metrics(start_server):
     assert all(r.status_code == 200 and r.json()["ready"] for r in ready)
     image = httpx.post(server.url + "/generate", json={"prompt": "x", "num_inference_steps": 2})
     assert image.status_code == 200
+
+
+def test_a_batch_span_links_requests_traced_in_every_http_process(start_server):
+    spans, lock = [], threading.Lock()
+
+    def keep(request):
+        with lock:
+            for resource in request.resource_spans:
+                for scope in resource.scope_spans:
+                    spans.extend(scope.spans)
+
+    server = _start(
+        start_server,
+        OTEL_EXPORTER_OTLP_ENDPOINT=otlp_sink(keep),
+        OTEL_BSP_SCHEDULE_DELAY="100",
+        TEXEL_FORMULA__MAX_WAIT_MS="300",
+    )
+    responses = _recognize_on_new_connections(server, 12)
+    assert [r.status_code for r in responses] == [200] * 12
+    assert server.metric("texel_forwarded_requests_total") > 0
+
+    def generates():
+        with lock:
+            return [s for s in spans if s.name == "generate"]
+
+    _wait_for(lambda: len(generates()) == 12, timeout=30)
+    with lock:
+        batches = {s.span_id: s for s in spans if s.name == "batch"}
+        traced = {s.trace_id for s in spans if s.name == "preprocess"}
+    linked = set()
+    for generate in generates():  # each request's generate span links its batch...
+        (link,) = generate.links
+        batch = batches[link.span_id]  # ...which the serving process exported
+        members = {member.trace_id for member in batch.links}
+        assert generate.trace_id in members
+        linked |= members
+    assert linked == traced and len(traced) == 12
 
 
 def test_a_killed_http_process_is_replaced_and_requests_keep_succeeding(start_server):

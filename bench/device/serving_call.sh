@@ -1,0 +1,16 @@
+# Sourced by the serving benchmark calls (formula_http.sh, formula_rejoin.sh): installs the
+# carried wheels, unpacks the benchmark images and defines `cmp ARGS...`, one
+# bench.compare run whose records go to $OUT/$RESULTS and whose log to $OUT/bench.log.
+#   expects: COMMIT and RESULTS set; carry .whl .gb (bench/device/bundle.sh)
+T0=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TEXEL_COMMIT=$COMMIT TEXEL_REQUEST_TIMEOUT_S=300
+mkdir -p /tmp/b && tar xf .gb/bench_images.tar -C /tmp/b
+L=$OUT/bench.log
+B="--data /tmp/b --duration 10 --warmup 2 --client-processes 4 --max-batch-size 128 --out $OUT/$RESULTS"
+cmp() {
+    echo "=== $* at $(( $(date +%s) - T0 ))s" >> $L
+    timeout 200 python3 -m bench.compare $B "$@" >> $L 2>&1 \
+        || { echo "rc=$?"; tail -40 "$(ls -t /tmp/texel-test-*.log | head -1)"; } >> $L
+}
