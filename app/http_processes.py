@@ -135,7 +135,7 @@ class HttpProcesses:
         processes = [p for p in self.processes.values() if p.is_alive()]
         for process in processes:
             process.terminate()
-        await asyncio.to_thread(_join_all, processes, timeout_s + 5)
+        await asyncio.to_thread(_join_all, processes, timeout_s)
         for process in processes:
             if process.is_alive():
                 log.warning("HTTP process %s did not stop in time; killing it", process.pid)

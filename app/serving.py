@@ -311,10 +311,12 @@ class Runtime:
         """Stop taking requests and finish every queued and running one."""
         self.draining = True
         timeout = self.settings.drain_timeout_s
+        deadline = time.monotonic() + timeout
         if self.http_processes is not None:  # they finish their requests through the batchers
             await self.http_processes.stop(timeout)
+        remaining = max(0.0, deadline - time.monotonic())
         batchers = [m.batcher for m in self.models.values() if m.batcher is not None]
-        await asyncio.gather(*(b.drain(timeout) for b in batchers))
+        await asyncio.gather(*(b.drain(remaining) for b in batchers))
 
     async def close(self) -> None:
         self.draining = True
