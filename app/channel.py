@@ -96,7 +96,8 @@ class Channel:
                     )
                     self._serving[call_id] = task
                 elif kind == "cancel":
-                    if (task := self._serving.get(call_id)) is not None:
+                    # pop: a task cancelled before it started never runs its `finally`
+                    if (task := self._serving.pop(call_id, None)) is not None:
                         task.cancel()
                 elif (future := self._calls.get(call_id)) is not None and not future.done():
                     if kind == "ok":

@@ -33,6 +33,9 @@ class ApiError(Exception):
         self.message = message
         self.headers = headers or {}
 
+    def __reduce__(self):  # raised in the serving process, answered by an HTTP process
+        return (type(self), (self.status, self.code, self.message, self.headers))
+
 
 def malformed(message: str) -> ApiError:
     return ApiError(400, "malformed_request", message)

@@ -58,6 +58,11 @@ class HttpProcesses:
         self.path = ""
         self.processes: dict[int, multiprocessing.process.BaseProcess] = {}
         self.channels: dict[int, Channel] = {}
+        self.joined: set[int] = set()  # accepting connections
+        # Each process's last metrics snapshot, and those of processes gone since, so
+        # the summed counters never go down when one dies, restarts or answers late.
+        self._last: dict[int, list] = {}
+        self._retired: list[list] = []
         self._runtime: Runtime | None = None
         self._server: asyncio.AbstractServer | None = None
         self._supervisor: asyncio.Task | None = None
@@ -90,62 +95,98 @@ class HttpProcesses:
         side = _ServingSide(self, self._runtime)
         side.channel = Channel(reader, writer, side, "an HTTP process")
 
+    def _retire(self, index: int) -> None:
+        """An HTTP process's channel closed: keep its last counts, drop its gauges."""
+        self.joined.discard(index)
+        last = self._last.pop(index, None)
+        if last:
+            self._retired.append([family for family in last if family.type != "gauge"])
+
     async def _supervise(self) -> None:
-        """Start an HTTP process again when one dies; back off if it dies at once."""
-        started = {index: time.monotonic() for index in self.processes}
+        """Start an HTTP process again when one dies; back off if one dies at once."""
+        assert self._runtime is not None
+        now = time.monotonic()
+        started = dict.fromkeys(self.processes, now)
         failures = dict.fromkeys(self.processes, 0)
-        while not self._stopping:
+        due: dict[int, float] = {}  # restarts waiting out their backoff
+        while not self._stopping and not self._runtime.draining:
             await asyncio.sleep(FOLLOW_S)
+            now = time.monotonic()
             for index, process in list(self.processes.items()):
-                if process.is_alive() or self._stopping:
+                if process.is_alive():
                     continue
-                quick = time.monotonic() - started[index] < 10
-                failures[index] = failures[index] + 1 if quick else 0
-                delay = min(30.0, 2.0 ** failures[index]) if quick else 0.0
-                log.error(
-                    "HTTP process %d (pid %s) exited with code %s; starting another in %.0f s",
-                    index,
-                    process.pid,
-                    process.exitcode,
-                    delay,
-                )
-                await asyncio.sleep(delay)
-                if self._stopping:
-                    return
-                self._spawn(index)
-                started[index] = time.monotonic()
+                if index not in due:
+                    quick = now - started[index] < 10
+                    failures[index] = failures[index] + 1 if quick else 0
+                    delay = min(30.0, 2.0 ** failures[index]) if quick else 0.0
+                    due[index] = now + delay
+                    log.error(
+                        "HTTP process %d (pid %s) exited with code %s; starting another in %.0f s",
+                        index,
+                        process.pid,
+                        process.exitcode,
+                        delay,
+                    )
+                if now < due[index] or self._runtime.draining:
+                    continue
+                del due[index]
+                try:
+                    self._spawn(index)
+                except Exception:
+                    log.exception("could not start HTTP process %d; retrying", index)
+                    due[index] = now + 5.0
+                started[index] = now
 
     async def snapshots(self) -> list:
-        """Each connected HTTP process's `metrics.snapshot()`."""
+        """Every HTTP process's `metrics.snapshot()`: fresh where it answers in time, its
+        last one where not, and the last ones of processes gone since."""
+        channels = list(self.channels.items())
         calls = [
             asyncio.wait_for(channel.call("snapshot"), SNAPSHOT_TIMEOUT_S)
-            for channel in list(self.channels.values())
+            for _, channel in channels
         ]
         results = await asyncio.gather(*calls, return_exceptions=True)
-        return [r for r in results if not isinstance(r, BaseException)]
+        for (index, channel), result in zip(channels, results, strict=True):
+            if not isinstance(result, BaseException) and self.channels.get(index) is channel:
+                self._last[index] = result
+        return [*self._last.values(), *self._retired]
 
     async def stop(self, timeout_s: float) -> None:
-        """SIGTERM every HTTP process, give them `timeout_s` to finish their requests
-        (served by this process's batchers meanwhile), then kill what is left."""
-        if self._stopping:
-            return
-        self._stopping = True
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-        processes = [p for p in self.processes.values() if p.is_alive()]
-        for process in processes:
-            process.terminate()
-        await asyncio.to_thread(_join_all, processes, timeout_s)
-        for process in processes:
-            if process.is_alive():
-                log.warning("HTTP process %s did not stop in time; killing it", process.pid)
-                process.kill()
+        """SIGTERM every HTTP process and give them `timeout_s` to finish their requests
+        (served by this process's batchers meanwhile). Past it, close their channels, so
+        their requests still in flight get a 503 rather than a reset connection, then
+        kill what is left. A second call (a second signal) cuts the wait short."""
+        if not self._stopping:
+            self._stopping = True
+            if self._supervisor is not None:
+                self._supervisor.cancel()
+            for index, process in self.processes.items():
+                if not process.is_alive():
+                    continue
+                if index in self.joined:
+                    process.terminate()
+                else:  # still starting: it holds no requests
+                    process.kill()
+        alive = [p for p in self.processes.values() if p.is_alive()]
+        try:
+            await asyncio.to_thread(_join_all, alive, timeout_s)
+            if any(p.is_alive() for p in alive):
+                self._close_channels()
+                await asyncio.to_thread(_join_all, alive, 2.0)
+        finally:
+            self._close_channels()
+            for process in alive:
+                if process.is_alive():
+                    log.warning("HTTP process %s did not stop in time; killing it", process.pid)
+                    process.kill()
+            if self._server is not None:
+                self._server.close()
+            if self._dir is not None:
+                shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _close_channels(self) -> None:
         for channel in list(self.channels.values()):
             channel.close()
-        if self._server is not None:
-            self._server.close()
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _join_all(processes, timeout_s: float) -> None:
@@ -175,12 +216,14 @@ class _ServingSide:
     def rpc_joined(self) -> None:
         """The HTTP process is ready and about to accept connections."""
         self.joined = True
+        self.hub.joined.add(self.index)
         metrics.HTTP_PROCESSES.inc()
         log.info("HTTP process %d (pid %s) accepts connections", self.index, self.pid)
 
     def _gone(self, channel: Channel) -> None:
         if self.hub.channels.get(self.index) is channel:
             del self.hub.channels[self.index]
+            self.hub._retire(self.index)
         if self.joined:
             metrics.HTTP_PROCESSES.dec()
 

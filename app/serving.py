@@ -284,6 +284,7 @@ class Runtime:
         metrics.HTTP_PROCESSES.set(1)  # each of the others adds itself once it accepts
         if self.http_processes is not None:
             await self.http_processes.start(self)
+            self.bottleneck.others = self.http_processes.snapshots
 
     def compute_thread(self, model: str, device) -> ThreadPoolExecutor:
         """The thread that runs batches of `model` on `device`.

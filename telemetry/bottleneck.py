@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 import psutil
+from prometheus_client import Metric
 
 from telemetry import metrics
 from telemetry.resources import Nvml, usable_cores
@@ -41,15 +42,18 @@ async def watch_event_loop(interval_s: float = LOOP_LAG_INTERVAL_S) -> None:
         metrics.EVENT_LOOP_LAG.observe(max(0.0, loop.time() - due))
 
 
-def loop_lag_totals() -> tuple[float, float]:
-    """(sum of lag seconds, number of samples) of the event-loop lag histogram so far."""
+def loop_lag_totals(families: Iterable[Metric] | None = None) -> tuple[float, float]:
+    """(sum of lag seconds, number of samples) of the event-loop lag histogram so far, in
+    this process or in `families` (another HTTP process's `metrics.snapshot()`)."""
     total = count = 0.0
-    for family in metrics.EVENT_LOOP_LAG.collect():
+    for family in metrics.EVENT_LOOP_LAG.collect() if families is None else families:
+        if family.name != "texel_event_loop_lag_seconds":
+            continue
         for sample in family.samples:
             if sample.name.endswith("_sum"):
-                total = sample.value
+                total += sample.value
             elif sample.name.endswith("_count"):
-                count = sample.value
+                count += sample.value
     return total, count
 
 
@@ -129,10 +133,13 @@ def classify(sample: Sample) -> Verdict:
     )
 
 
-def stage_totals() -> dict[str, float]:
-    """Seconds spent so far in each stage, summed over models."""
+def stage_totals(families: Iterable[Metric] | None = None) -> dict[str, float]:
+    """Seconds spent so far in each stage, summed over models, in this process or in
+    `families` (another HTTP process's `metrics.snapshot()`)."""
     totals: dict[str, float] = {}
-    for family in metrics.STAGE_DURATION.collect():
+    for family in metrics.STAGE_DURATION.collect() if families is None else families:
+        if family.name != "texel_stage_duration_seconds":
+            continue
         for sample in family.samples:
             if sample.name.endswith("_sum"):
                 stage = sample.labels["stage"]
@@ -181,6 +188,9 @@ class BottleneckSampler:
         stages: Callable[[], dict[str, float]] = stage_totals,
         loop_lag: Callable[[], tuple[float, float]] = loop_lag_totals,
     ) -> None:
+        # The other HTTP processes' `metrics.snapshot()`s, when there are any: their
+        # stage times and event-loop lag count too.
+        self.others: Callable[[], Awaitable[list[list[Metric]]]] | None = None
         self._nvml = Nvml() if gpu_probe is None else None
         self._gpu_probe = gpu_probe or self._nvml_probe
         self._stages = stages
@@ -198,8 +208,7 @@ class BottleneckSampler:
         start = time.monotonic()
         family = _family(self._process)
         cpu0, threads0 = _cpu_times(family), _thread_times(family)
-        stages0 = self._stages()
-        lag0 = self._loop_lag()
+        stages0, lag0 = await self._totals()
         gpu_samples: list[float] = []
         while time.monotonic() - start < window_s:
             reading = self._gpu_probe()
@@ -209,8 +218,7 @@ class BottleneckSampler:
         elapsed = max(time.monotonic() - start, 1e-6)
         family = _family(self._process)
         cpu1, threads1 = _cpu_times(family), _thread_times(family)
-        stages1 = self._stages()
-        lag1 = self._loop_lag()
+        stages1, lag1 = await self._totals()
         lag_count = lag1[1] - lag0[1]
         busiest = max(_delta(threads1, threads0).values(), default=0.0) / elapsed
         deltas = {k: v - stages0.get(k, 0.0) for k, v in stages1.items()}
@@ -222,6 +230,16 @@ class BottleneckSampler:
             window_s=round(elapsed, 3),
             event_loop_lag_s=(lag1[0] - lag0[0]) / lag_count if lag_count else None,
         )
+
+    async def _totals(self) -> tuple[dict[str, float], tuple[float, float]]:
+        """Stage seconds and (lag seconds, lag samples), this process's plus the others'."""
+        stages, (lag, lag_count) = dict(self._stages()), self._loop_lag()
+        for families in await self.others() if self.others is not None else []:
+            for stage, seconds in stage_totals(families).items():
+                stages[stage] = stages.get(stage, 0.0) + seconds
+            other_lag, other_count = loop_lag_totals(families)
+            lag, lag_count = lag + other_lag, lag_count + other_count
+        return stages, (lag, lag_count)
 
     async def diagnose(self, window_s: float = 10.0) -> Verdict:
         return classify(await self.sample(window_s))

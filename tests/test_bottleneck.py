@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
 import zlib
 
 import httpx
+import pytest
 
 from telemetry.bottleneck import BottleneckSampler, Sample, classify
 
@@ -61,8 +63,6 @@ def run_while_sampling(work, gpu_probe, stages: FakeStages):
     worker = threading.Thread(target=work, args=(stop, stages))
     worker.start()
     try:
-        import asyncio
-
         return asyncio.run(BottleneckSampler(gpu_probe, stages).diagnose(window_s=1.5))
     finally:
         stop.set()
@@ -126,7 +126,6 @@ def test_a_late_event_loop_counts_as_cpu_bound_and_says_why():
 
 
 async def test_the_event_loop_watch_sees_a_blocked_loop():
-    import asyncio
 
     from telemetry.bottleneck import loop_lag_totals, watch_event_loop
 
@@ -169,3 +168,23 @@ async def test_the_cpu_of_worker_processes_counts():
     cores = os.cpu_count() or 1
     assert sample.busiest_thread_utilization >= 0.6, sample
     assert sample.cpu_utilization >= 0.6 / cores, sample
+
+
+def test_the_other_http_processes_stage_times_and_loop_lag_count_too() -> None:
+    """Their `metrics.snapshot()`s add to this process's totals over the window."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    registry = CollectorRegistry()
+    stage = Histogram("texel_stage_duration_seconds", "", ["model", "stage"], registry=registry)
+    lag = Histogram("texel_event_loop_lag_seconds", "", registry=registry)
+
+    async def others():
+        stage.labels("m", "preprocess").observe(0.25)  # one more each time it is asked
+        lag.observe(0.04)
+        return [list(registry.collect())]
+
+    sampler = BottleneckSampler(gpu_probe=lambda: None, stages=dict, loop_lag=lambda: (0, 0))
+    sampler.others = others
+    sample = asyncio.run(sampler.sample(window_s=0.3, interval_s=0.1))
+    assert sample.stage_seconds == {"preprocess": pytest.approx(0.25)}
+    assert sample.event_loop_lag_s == pytest.approx(0.04)

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from app.channel import Channel, ChannelClosed
+from app.errors import ApiError
 from batching import QueueFull
 from bench.common import otlp_sink
 from tests.conftest import formula_png
@@ -116,14 +117,38 @@ def test_a_batch_span_links_requests_traced_in_every_http_process(start_server):
     assert linked == traced and len(traced) == 12
 
 
+def test_a_model_that_failed_to_load_fails_the_same_way_in_every_process(start_server, tmp_path):
+    server = start_server(
+        wait_ready=False, TEXEL_HTTP_PROCESSES="3", TEXEL_IMAGE__MODEL=str(tmp_path / "missing")
+    )
+    _wait_for(lambda: server.metric("texel_http_processes") == 3)
+    for _ in range(6):  # new connections: any process may answer
+        ready = httpx.get(server.url + "/readyz")
+        assert ready.status_code == 503
+        assert ready.json()["models"] == {"formula": "ready", "image": "failed"}
+        image = httpx.post(server.url + "/generate", json={"prompt": "x"})
+        assert image.status_code == 503 and image.json()["error"]["code"] == "model_failed"
+    responses = _recognize_on_new_connections(server, 12)
+    assert [r.status_code for r in responses] == [200] * 12
+
+
 def test_a_killed_http_process_is_replaced_and_requests_keep_succeeding(start_server):
     server = _start(start_server, count=2)
+    done = server.metric("texel_request_duration_seconds_count", route="/recognize")
+    assert done == 0
+    while not server.metric("texel_forwarded_requests_total"):  # until the child has some
+        _recognize_on_new_connections(server, 4)
+    done = server.metric("texel_request_duration_seconds_count", route="/recognize")
     (child,) = _http_children(server)
     child.kill()
     _wait_for(lambda: server.metric("texel_http_processes") == 1)
+    # The dead process's requests still count: summed counters never go down.
+    assert server.metric("texel_request_duration_seconds_count", route="/recognize") == done
     responses = _recognize_on_new_connections(server, 8)
     assert [r.status_code for r in responses] == [200] * 8
     _wait_for(lambda: server.metric("texel_http_processes") == 2)
+    total = server.metric("texel_request_duration_seconds_count", route="/recognize")
+    assert total == done + 8
     (replacement,) = _http_children(server)
     assert replacement.pid != child.pid
     assert "exited with code -9" in server.log_path.read_text()
@@ -162,6 +187,9 @@ class _Far:
     def rpc_full(self):
         raise QueueFull(7, 2.5)
 
+    def rpc_missing(self):
+        raise ApiError(404, "model_disabled", "not here", {"X-Why": "test"})
+
     async def rpc_forever(self):
         try:
             await asyncio.sleep(3600)
@@ -186,10 +214,19 @@ def test_the_channel_carries_results_errors_and_cancellation():
         with pytest.raises(QueueFull) as raised:
             await near.call("full")
         assert raised.value.retry_after_s == 2.5 and raised.value.waiting == 7
+        with pytest.raises(ApiError) as refused:
+            await near.call("missing")
+        assert (refused.value.status, refused.value.headers) == (404, {"X-Why": "test"})
         waiting = asyncio.create_task(near.call("forever"))
         await asyncio.sleep(0.1)
         waiting.cancel()
         await asyncio.wait_for(handler.cancelled.wait(), 5)  # the far task was cancelled
+        # A cancel that arrives with its call, before the far task starts, leaves nothing.
+        early = asyncio.create_task(near.call("forever"))
+        await asyncio.sleep(0)
+        early.cancel()
+        await asyncio.sleep(0.1)
+        assert far._serving == {}
         pending = asyncio.create_task(near.call("forever"))
         await asyncio.sleep(0.1)
         far.close()
