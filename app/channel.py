@@ -11,6 +11,7 @@ command, so pickle is safe; the socket lives in a directory only its user can en
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import itertools
 import logging
@@ -40,6 +41,7 @@ class Channel:
         self._ids = itertools.count()
         self._calls: dict[int, asyncio.Future] = {}
         self._serving: dict[int, asyncio.Task] = {}
+        self._pending: list[bytes] = []  # frames queued for the next flush
         self._closed = False
         self._reading = asyncio.get_running_loop().create_task(self._read())
         self.done = asyncio.get_running_loop().create_future()  # set once closed
@@ -71,10 +73,20 @@ class Channel:
         self._shut(ChannelClosed(f"{self.name}: closed"))
 
     def _write(self, message: tuple) -> None:
+        """Queue a frame. Frames queued in one turn of the event loop (a batch's answers,
+        requests arriving together) go out in one write: one system call, not one each."""
         if self._closed:
             raise ChannelClosed(f"{self.name}: closed")
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        self._writer.write(len(data).to_bytes(_HEADER, "big") + data)
+        self._pending.append(len(data).to_bytes(_HEADER, "big"))
+        self._pending.append(data)
+        if len(self._pending) == 2:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        if self._pending and not self._closed:
+            self._writer.writelines(self._pending)
+        self._pending.clear()
 
     async def _send(self, message: tuple) -> None:
         self._write(message)
@@ -136,6 +148,8 @@ class Channel:
     def _shut(self, reason: BaseException) -> None:
         if self._closed:
             return
+        with contextlib.suppress(Exception):  # answers already made still go out
+            self._flush()
         self._closed = True
         for future in self._calls.values():
             if not future.done():

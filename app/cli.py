@@ -10,7 +10,7 @@ import sys
 
 import uvicorn
 
-from app.http_processes import HttpProcesses
+from app.http_processes import HttpProcesses, reuseport_socket
 from app.main import build_app
 from app.serving import process_plan
 from app.settings import Settings
@@ -69,9 +69,11 @@ def serve(host: str, port: int) -> None:
     if plan.http_processes == 1:
         server.run()
         return
-    # The other HTTP processes accept connections on this same socket.
-    sock = config.bind_socket()
-    app.state.runtime.http_processes = HttpProcesses(sock, plan.http_processes - 1)
+    # The other HTTP processes listen on the same port (SO_REUSEPORT).
+    sock = reuseport_socket(host, port)
+    address = sock.getsockname()[:2]
+    app.state.runtime.http_processes = HttpProcesses(address, plan.http_processes - 1)
+    log.info("serving on http://%s:%d in %d processes", host, address[1], plan.http_processes)
     server.run(sockets=[sock])
 
 

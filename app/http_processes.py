@@ -3,8 +3,10 @@
 One Python process parses, decodes and encodes a few hundred requests a second
 before its interpreter lock is full (README: Benchmarks), far less than a GPU
 decodes. With `TEXEL_HTTP_PROCESSES=N`, `texel serve` binds the port, then starts
-N-1 more HTTP processes that accept connections on the same socket (as uvicorn's
-`--workers` does). Each runs the same routes with its own interpreter lock: it
+N-1 more HTTP processes, each listening on a socket of its own bound to the same
+port with SO_REUSEPORT: the kernel spreads new connections evenly over the listening
+sockets (a shared socket would hand most of them to whichever process happens to be
+woken first). Each runs the same routes with its own interpreter lock: it
 checks, parses and preprocesses a request, hands the decoded input over a Unix
 socket (`app.channel`) to the serving process, whose batchers and GPU workers run
 every process's requests in the same batches, and encodes the answer itself.
@@ -52,8 +54,8 @@ class HttpProcesses:
     """The serving process's side: starts, serves, restarts and stops the other HTTP
     processes."""
 
-    def __init__(self, sock: socket.socket, count: int) -> None:
-        self.sock = sock
+    def __init__(self, address: tuple[str, int], count: int) -> None:
+        self.address = address  # the port they all listen on
         self.count = count
         self.path = ""
         self.processes: dict[int, multiprocessing.process.BaseProcess] = {}
@@ -84,7 +86,7 @@ class HttpProcesses:
         # spawn: forking a process that may hold CUDA state is unsafe
         process = multiprocessing.get_context("spawn").Process(
             target=serve_http_process,
-            args=(self._runtime.settings, self.sock, self.path, os.getpid(), index),
+            args=(self._runtime.settings, self.address, self.path, os.getpid(), index),
             name=f"texel-http-{index}",
         )
         process.start()
@@ -251,8 +253,26 @@ class _ServingSide:
 # -- inside an extra HTTP process --------------------------------------------------
 
 
+def reuseport_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host:port` with SO_REUSEPORT, not yet listening: asyncio
+    listens once the app has started, and from then on the kernel hands it its share
+    of new connections (a hash of their addresses picks among the listening sockets)."""
+    if not hasattr(socket, "SO_REUSEPORT") or not sys.platform.startswith("linux"):
+        raise RuntimeError("TEXEL_HTTP_PROCESSES above 1 needs Linux (SO_REUSEPORT)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def serve_http_process(
-    settings: Settings, sock: socket.socket, path: str, parent_pid: int, index: int
+    settings: Settings, address: tuple[str, int], path: str, parent_pid: int, index: int
 ) -> None:
     """The entry of an extra HTTP process (spawned by `HttpProcesses`)."""
     import uvicorn
@@ -271,7 +291,7 @@ def serve_http_process(
         log_config=None,
         timeout_graceful_shutdown=int(settings.drain_timeout_s) + 5,
     )
-    TexelServer(config, runtime).run(sockets=[sock])
+    TexelServer(config, runtime).run(sockets=[reuseport_socket(*address)])
 
 
 class RemoteModel(ServedModel):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -35,6 +36,9 @@ CONFIGS = {
     },
     "tracing SDK off (OTEL_SDK_DISABLED=true)": {"OTEL_SDK_DISABLED": "true"},
     "2 preprocessing processes": {"TEXEL_PREPROCESS_PROCESSES": "2"},
+    # The serving process answers some requests itself and takes the others' decoded
+    # inputs over the channel (`forwarded`): its CPU per request mixes the two.
+    "2 HTTP processes": {"TEXEL_HTTP_PROCESSES": "2"},
 }
 
 
@@ -66,12 +70,20 @@ def measure(env: dict[str, str], args, images: list[bytes]) -> dict:
     env = {**env, "TEXEL_IMAGE__ENABLED": "false", "TEXEL_FORMULA__MAX_QUEUE": "4096"}
     server = ServerProcess(env, entry=("bench.serving_cost", "--instant"))
     try:
+        http_processes = int(env.get("TEXEL_HTTP_PROCESSES", 1))
+        deadline = time.monotonic() + 120
+        while server.metric("texel_http_processes") < http_processes:  # all accepting
+            if time.monotonic() > deadline:
+                raise TimeoutError("the HTTP processes did not start")
+            time.sleep(0.2)
         workload = json_workload("/recognize", images)
         closed_loop_processes(server.url, workload, args.concurrency, args.warmup, 0.5, 1)
         process = psutil.Process(server.process.pid)
+        forwarded_before = server.metric("texel_forwarded_requests_total")
         own_before, children_before = cpu_seconds(process)
         result = closed_loop_processes(server.url, workload, args.concurrency, args.duration, 0, 1)
         own_after, children_after = cpu_seconds(process)
+        forwarded = server.metric("texel_forwarded_requests_total") - forwarded_before
     finally:
         server.stop()
     summary = result.summary()
@@ -80,6 +92,7 @@ def measure(env: dict[str, str], args, images: list[bytes]) -> dict:
         "throughput_rps": summary["throughput_rps"],
         "requests": summary["requests"],
         "errors": summary["errors"],
+        "forwarded": forwarded,
         "server_cpu_ms_per_request": round((own_after - own_before) * per_request, 3),
         "worker_cpu_ms_per_request": round((children_after - children_before) * per_request, 3),
     }
@@ -93,6 +106,9 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each configuration")
+    parser.add_argument(
+        "--only", type=lambda s: s.split(","), default=list(CONFIGS), help="configurations"
+    )
     # How ServerProcess starts the instant stand-in: --instant --host H --port P.
     parser.add_argument("--instant", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
@@ -105,7 +121,8 @@ def main() -> None:
     print(f"{machine()}; commit {commit()}; concurrency {args.concurrency}, {args.duration:g} s\n")
     print("| configuration | requests/s | CPU ms per request: serving process | workers |")
     print("|---|---|---|---|")
-    for name, env in CONFIGS.items():
+    for name in args.only:
+        env = CONFIGS[name]
         runs = [measure(env, args, images) for _ in range(args.repeats)]
         record = {"configuration": name, "env": env, "runs": runs, "commit": commit()}
         print(json.dumps(record), file=sys.stderr)
