@@ -61,6 +61,7 @@ class HttpProcesses:
         self.processes: dict[int, multiprocessing.process.BaseProcess] = {}
         self.channels: dict[int, Channel] = {}
         self.joined: set[int] = set()  # accepting connections
+        self._started_once: set[int] = set()  # joined, or died trying, at least once
         # Each process's last metrics snapshot, and those of processes gone since, so
         # the summed counters never go down when one dies, restarts or answers late.
         self._last: dict[int, list] = {}
@@ -97,7 +98,18 @@ class HttpProcesses:
         side = _ServingSide(self, self._runtime)
         side.channel = Channel(reader, writer, side, "an HTTP process")
 
-    def _retire(self, index: int) -> None:
+    @property
+    def settled(self) -> bool:
+        """Every HTTP process has accepted connections (or died trying) at least once:
+        from then on a restart does not take the serving process's readiness away."""
+        return len(self._started_once) == self.count
+
+    def on_joined(self, index: int) -> None:
+        """An HTTP process is ready and about to accept connections."""
+        self.joined.add(index)
+        self._started_once.add(index)
+
+    def on_gone(self, index: int) -> None:
         """An HTTP process's channel closed: keep its last counts, drop its gauges."""
         self.joined.discard(index)
         last = self._last.pop(index, None)
@@ -118,6 +130,8 @@ class HttpProcesses:
                 if process.is_alive():
                     continue
                 if index not in due:
+                    if index not in self._started_once:
+                        self._started_once.add(index)  # do not hold readiness back for it
                     quick = now - started[index] < 10
                     failures[index] = failures[index] + 1 if quick else 0
                     delay = min(30.0, 2.0 ** failures[index]) if quick else 0.0
@@ -218,14 +232,14 @@ class _ServingSide:
     def rpc_joined(self) -> None:
         """The HTTP process is ready and about to accept connections."""
         self.joined = True
-        self.hub.joined.add(self.index)
+        self.hub.on_joined(self.index)
         metrics.HTTP_PROCESSES.inc()
         log.info("HTTP process %d (pid %s) accepts connections", self.index, self.pid)
 
     def _gone(self, channel: Channel) -> None:
         if self.hub.channels.get(self.index) is channel:
             del self.hub.channels[self.index]
-            self.hub._retire(self.index)
+            self.hub.on_gone(self.index)
         if self.joined:
             metrics.HTTP_PROCESSES.dec()
 

@@ -223,8 +223,13 @@ class Runtime:
 
     @property
     def ready(self) -> bool:
+        # With several HTTP processes, not before every one has started once: clients
+        # that connect earlier keep their connections on the processes already up.
         return (
-            bool(self.models) and not self.draining and all(m.ready for m in self.models.values())
+            bool(self.models)
+            and not self.draining
+            and all(m.ready for m in self.models.values())
+            and (self.http_processes is None or self.http_processes.settled)
         )
 
     def model_label(self, key: str) -> str:

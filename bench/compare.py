@@ -72,6 +72,7 @@ def scrape(url: str) -> dict[str, float]:
         "texel_stage_duration_seconds_count",
         "texel_request_duration_seconds_sum",
         "texel_request_duration_seconds_count",
+        "texel_forwarded_requests_total",
     )
     values: dict[str, float] = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
@@ -81,6 +82,9 @@ def scrape(url: str) -> dict[str, float]:
         if name.startswith("texel_stage_duration"):  # one series per stage
             stage = line.split('stage="', 1)[1].split('"', 1)[0]
             name = name.replace("texel_stage_duration_seconds", f"stage:{stage}")
+        elif name == "texel_forwarded_requests_total":  # one series per HTTP process
+            process = line.split('process="', 1)[1].split('"', 1)[0]
+            name = f"forwarded:{process}"
         values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return values
 
@@ -100,11 +104,22 @@ def texel_extras(before: dict[str, float], after: dict[str, float]) -> dict:
     if request_ms is not None:  # what the stages do not cover: HTTP, event-loop waits
         covered = sum(v for v in stage_ms.values() if v is not None)
         stage_ms["unaccounted"] = round(request_ms * 1000 - covered, 2)
+    # How the kernel spread the requests over the HTTP processes: the share each of the
+    # others handed to the serving process (which answered the rest itself).
+    requests = after.get("texel_request_duration_seconds_count", 0) - before.get(
+        "texel_request_duration_seconds_count", 0
+    )
+    forwarded = {
+        key.split(":", 1)[1]: round((after[key] - before.get(key, 0)) / requests, 3)
+        for key in sorted(after)
+        if key.startswith("forwarded:") and requests
+    }
     return {
         "server_mean_batch_size": rounded(mean("texel_batch_size")),
         "padding_efficiency": rounded(mean("texel_padding_efficiency")),
         "gpu_utilization_end": after.get("texel_gpu_utilization_ratio"),
         "stage_mean_ms": stage_ms,
+        "forwarded_share": forwarded or None,
     }
 
 
