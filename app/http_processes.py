@@ -30,19 +30,15 @@ import socket
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from app.channel import Channel, ChannelClosed
 from app.errors import ApiError
-from app.serving import Runtime, ServedModel, build_models, process_plan
+from app.serving import Runtime, ServedModel, build_models
 from app.settings import Settings
 from batching import BatchResult, exit_with_parent
-from models.devices import resolve_devices
 from telemetry import metrics
-from telemetry.bottleneck import watch_event_loop
-from telemetry.resources import usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -314,16 +310,7 @@ class RemoteModel(ServedModel):
     channel: Channel | None = None
 
     async def enqueue(self, payload: Any, context: Any = None) -> BatchResult:
-        assert self.channel is not None
-        try:
-            return await self.channel.call("submit", self.key, payload, context)
-        except ChannelClosed as exc:
-            raise ApiError(
-                503, "unavailable", "the serving process is not answering", {"Retry-After": "1"}
-            ) from exc
-
-    def close(self) -> None:
-        pass
+        return await _ask(self.channel, "submit", self.key, payload, context)
 
 
 @dataclass
@@ -342,15 +329,7 @@ class HttpProcessRuntime(Runtime):
     async def start(self) -> None:
         """Connect to the serving process and get ready before uvicorn accepts a
         connection: until then the other processes on the port take them all."""
-        loop = asyncio.get_running_loop()
-        self.loop_watch = loop.create_task(watch_event_loop())
-        devices = resolve_devices(self.settings.device)
-        cores = usable_cores()
-        plan = process_plan(self.settings, devices, cores)
-        if plan.switch_interval_ms is not None:
-            sys.setswitchinterval(plan.switch_interval_ms / 1000)
-        threads = self.settings.preprocess_threads or min(4, cores)
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="texel-preprocess")
+        devices, _ = self._start_process(lambda cores: min(4, cores))
         self.models = build_models(self.settings, devices, False, served_class=RemoteModel)
         self.channel = await Channel.connect(self.serving_path, self, f"HTTP process {self.index}")
         await self.channel.call("hello", self.index, os.getpid())
@@ -358,7 +337,7 @@ class HttpProcessRuntime(Runtime):
             model.channel = self.channel
         await self._prepare()
         await self.channel.call("joined")
-        self.loader = loop.create_task(self._follow())
+        self.loader = asyncio.get_running_loop().create_task(self._follow())
 
     async def _prepare(self) -> None:
         """Load each model's processing parts (no weights), wait for the serving process
@@ -407,7 +386,7 @@ class HttpProcessRuntime(Runtime):
 
     async def readiness(self) -> tuple[bool, bool, dict[str, str]]:
         try:
-            ready, draining, models = await self._ask("state")
+            ready, draining, models = await _ask(self.channel, "state")
         except ApiError:
             return False, self.draining, dict.fromkeys(self.models, "unavailable")
         draining = draining or self.draining
@@ -415,28 +394,24 @@ class HttpProcessRuntime(Runtime):
         return ready and not draining and self.ready, draining, states
 
     async def metrics_exposition(self, accept: str | None) -> tuple[bytes, str]:
-        return await self._ask("metrics", accept)
+        return await _ask(self.channel, "metrics", accept)
 
     async def diagnose(self, window_s: float) -> dict:
-        return await self._ask("diagnose", window_s)
-
-    async def _ask(self, method: str, *args: Any) -> Any:
-        if self.channel is None:
-            raise ApiError(503, "unavailable", "not connected to the serving process")
-        try:
-            return await self.channel.call(method, *args)
-        except ChannelClosed as exc:
-            raise ApiError(503, "unavailable", "the serving process is not answering") from exc
-
-    async def drain(self) -> None:
-        self.draining = True  # uvicorn lets the requests in flight finish
+        return await _ask(self.channel, "diagnose", window_s)
 
     async def close(self) -> None:
-        self.draining = True
-        for task in (self.loader, self.loop_watch):
-            if task is not None:
-                task.cancel()
         if self.channel is not None:
             self.channel.close()
-        if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
+        await super().close()
+
+
+async def _ask(channel: Channel | None, method: str, *args: Any) -> Any:
+    """`channel.call`, with a serving process that is gone answered as 503."""
+    if channel is None:
+        raise ApiError(503, "unavailable", "not connected to the serving process")
+    try:
+        return await channel.call(method, *args)
+    except ChannelClosed as exc:
+        raise ApiError(
+            503, "unavailable", "the serving process is not answering", {"Retry-After": "1"}
+        ) from exc

@@ -263,15 +263,22 @@ class Runtime:
             return await loop.run_in_executor(self.processes, adapter.preprocessor, data)
         return await self.run_in_pool(adapter.preprocess, data)
 
-    async def start(self) -> None:
+    def _start_process(self, default_threads) -> tuple[list, ProcessPlan]:
+        """What every HTTP process does first: watch its event loop, set its switch
+        interval and start its preprocessing threads (`default_threads(cores)` of them
+        unless set). Returns the devices and the plan."""
         self.loop_watch = asyncio.get_running_loop().create_task(watch_event_loop())
         devices = resolve_devices(self.settings.device)
         cores = usable_cores()
         plan = process_plan(self.settings, devices, cores)
         if plan.switch_interval_ms is not None:
             sys.setswitchinterval(plan.switch_interval_ms / 1000)
-        threads = self.settings.preprocess_threads or cores
+        threads = self.settings.preprocess_threads or default_threads(cores)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="texel-preprocess")
+        return devices, plan
+
+    async def start(self) -> None:
+        devices, plan = self._start_process(lambda cores: cores)
         if count := plan.preprocess_processes:
             # spawn: forking a process that may already hold CUDA state is unsafe
             context = multiprocessing.get_context("spawn")
