@@ -5,15 +5,17 @@ from __future__ import annotations
 import io
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from PIL import Image, ImageDraw
 
 from bench.server import ROOT, ServerProcess, free_port
 
-__all__ = ["ROOT", "ServerProcess", "free_port", "formula_png"]
+__all__ = ["ROOT", "ServerProcess", "free_port", "formula_png", "wait_for"]
 SHARED_DATA = Path(os.environ.get("TEXEL_DATA", ROOT.parent / "shared" / "data"))
 
 
@@ -76,3 +78,17 @@ def formula_png(text: str = "x^2 + 1", size=(220, 48), fmt: str = "PNG") -> byte
     buffer = io.BytesIO()
     image.save(buffer, format=fmt)
     return buffer.getvalue()
+
+
+def wait_for(condition, timeout: float = 30.0) -> None:
+    """Poll `condition` until true; a server that refuses or resets a connection meanwhile
+    (starting, or a process of it dying) counts as not yet."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except (httpx.HTTPError, KeyError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")

@@ -17,29 +17,15 @@ from app.channel import Channel, ChannelClosed
 from app.errors import ApiError
 from batching import QueueFull
 from bench.common import otlp_sink
-from tests.conftest import formula_png
+from tests.conftest import formula_png, wait_for
 
 SLOW = {"prompt": "a slow one", "num_inference_steps": 40, "seed": 1}
-
-
-def _wait_for(check, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
 
 
 def _http_children(server) -> list[psutil.Process]:
     """The extra HTTP processes: spawned children of the serving process."""
     children = psutil.Process(server.process.pid).children()
     return [c for c in children if "spawn_main" in " ".join(c.cmdline())]
-
-
-def _metric_or_none(server, name: str) -> float | None:
-    try:
-        return server.metric(name)
-    except httpx.TransportError:
-        return None
 
 
 def _start(start_server, count: int = 3, **env: str):
@@ -112,7 +98,7 @@ def test_a_batch_span_links_requests_traced_in_every_http_process(start_server):
         with lock:
             return [s for s in spans if s.name == "generate"]
 
-    _wait_for(lambda: len(generates()) == 12, timeout=30)
+    wait_for(lambda: len(generates()) == 12, timeout=30)
     with lock:
         batches = {s.span_id: s for s in spans if s.name == "batch"}
         traced = {s.trace_id for s in spans if s.name == "preprocess"}
@@ -130,7 +116,7 @@ def test_a_model_that_failed_to_load_fails_the_same_way_in_every_process(start_s
     server = start_server(
         wait_ready=False, TEXEL_HTTP_PROCESSES="3", TEXEL_IMAGE__MODEL=str(tmp_path / "missing")
     )
-    _wait_for(lambda: server.metric("texel_http_processes") == 3)
+    wait_for(lambda: server.metric("texel_http_processes") == 3, timeout=60)
     for _ in range(6):  # new connections: any process may answer
         ready = httpx.get(server.url + "/readyz")
         assert ready.status_code == 503
@@ -151,13 +137,13 @@ def test_a_killed_http_process_is_replaced_and_requests_keep_succeeding(start_se
     (child,) = _http_children(server)
     child.kill()
     # A connection the kernel queued on the dead process's socket is reset (as are
-    # those it held), so poll with fresh ones until it is counted out.
-    _wait_for(lambda: _metric_or_none(server, "texel_http_processes") == 1)
+    # those it held): wait_for polls with fresh ones until it is counted out.
+    wait_for(lambda: server.metric("texel_http_processes") == 1, timeout=60)
     # The dead process's requests still count: summed counters never go down.
     assert server.metric("texel_request_duration_seconds_count", route="/recognize") == done
     responses = _recognize_on_new_connections(server, 8)
     assert [r.status_code for r in responses] == [200] * 8
-    _wait_for(lambda: server.metric("texel_http_processes") == 2)
+    wait_for(lambda: server.metric("texel_http_processes") == 2, timeout=60)
     total = server.metric("texel_request_duration_seconds_count", route="/recognize")
     assert total == done + 8
     (replacement,) = _http_children(server)
@@ -175,14 +161,14 @@ def test_sigterm_lets_every_process_finish_its_requests_then_stops_them_all(star
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(post, i) for i in range(4)]
         # The in-flight gauge is summed over the processes that hold the requests.
-        _wait_for(lambda: server.metric("texel_inflight_requests", route="/generate") >= 4)
+        wait_for(lambda: server.metric("texel_inflight_requests", route="/generate") >= 4)
         server.process.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         ready = httpx.get(server.url + "/readyz")
         assert ready.status_code == 503 and ready.json()["draining"] is True
         assert [f.result().status_code for f in futures] == [200] * 4
     assert server.process.wait(60) in (0, -signal.SIGTERM)
-    _wait_for(lambda: not any(c.is_running() and c.status() != "zombie" for c in children), 10)
+    wait_for(lambda: not any(c.is_running() and c.status() != "zombie" for c in children), 10)
 
 
 # -- the channel itself ---------------------------------------------------------------

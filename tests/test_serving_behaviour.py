@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from tests.conftest import formula_png
+from tests.conftest import formula_png, wait_for
 
 SLOW = {"prompt": "a slow one", "num_inference_steps": 40, "seed": 1}
 
@@ -59,7 +59,7 @@ def test_a_client_that_disconnects_frees_its_queue_slot(start_server):
         )
     )
     running.start()
-    _wait_for(lambda: server.metric("texel_inflight_requests", route="/generate") >= 1)
+    wait_for(lambda: server.metric("texel_inflight_requests", route="/generate") >= 1)
     time.sleep(0.3)
 
     # A raw socket client queues a request, then hangs up.
@@ -70,12 +70,12 @@ def test_a_client_that_disconnects_frees_its_queue_slot(start_server):
         + f"Content-Length: {len(body)}\r\n\r\n".encode()
         + body
     )
-    _wait_for(lambda: server.metric("texel_queue_depth", model="image") == 1)
+    wait_for(lambda: server.metric("texel_queue_depth", model="image") == 1)
     with server.client() as client:
         full = client.post("/generate", json=SLOW)
         assert full.status_code == 429  # the queue of one is taken
     sock.close()
-    _wait_for(lambda: server.metric("texel_queue_depth", model="image") == 0)
+    wait_for(lambda: server.metric("texel_queue_depth", model="image") == 0)
     assert server.metric("texel_requests_rejected_total", reason="cancelled") >= 1
     with server.client() as client:
         assert client.post("/generate", json={**SLOW, "num_inference_steps": 2}).status_code == 200
@@ -84,7 +84,7 @@ def test_a_client_that_disconnects_frees_its_queue_slot(start_server):
 
 def test_readyz_is_503_and_inference_503_when_a_model_cannot_load(start_server, tmp_path):
     server = start_server(wait_ready=False, TEXEL_FORMULA__MODEL=str(tmp_path / "missing"))
-    _wait_for(lambda: httpx.get(server.url + "/readyz").json()["models"]["formula"] == "failed")
+    wait_for(lambda: httpx.get(server.url + "/readyz").json()["models"]["formula"] == "failed")
     ready = httpx.get(server.url + "/readyz")
     assert ready.status_code == 503
     response = httpx.post(
@@ -104,7 +104,7 @@ def test_sigterm_drops_readiness_and_lets_in_flight_requests_finish(start_server
 
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(post, i) for i in range(3)]
-        _wait_for(lambda: server.metric("texel_inflight_requests", route="/generate") >= 3)
+        wait_for(lambda: server.metric("texel_inflight_requests", route="/generate") >= 3)
         server.process.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         ready = httpx.get(server.url + "/readyz")
@@ -149,18 +149,6 @@ def test_cors_lets_configured_origins_call_the_api(start_server):
             headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
         )
         assert "access-control-allow-origin" not in other.headers
-
-
-def _wait_for(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return
-        except (httpx.HTTPError, KeyError):
-            pass
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
 
 
 def test_json_logs_are_one_object_a_line_with_the_request_trace_id(start_server):
