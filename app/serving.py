@@ -48,6 +48,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _stream_of(runner) -> Any:
+    """The runner's stream (continuous batching), if it has one: a worker process's
+    relay when its child streams, else the adapter runner's own."""
+    if isinstance(runner, ProcessRunner):
+        return runner.run_stream if runner.streams else None
+    return getattr(runner, "stream", None)
+
+
 class ServedModel:
     """One adapter, its per-device workers and its batcher."""
 
@@ -99,7 +107,8 @@ class ServedModel:
             await loop.run_in_executor(first, load)
             for device in self.adapter.devices:
                 executor = executor_for(self.key, device)
-                workers.append(Worker(str(device), await self._runner(device, executor), executor))
+                runner = await self._runner(device, executor)
+                workers.append(Worker(str(device), runner, executor, stream=_stream_of(runner)))
         except Exception as exc:
             self.state = "failed"
             self.error = f"{type(exc).__name__}: {exc}"
@@ -411,6 +420,7 @@ def build_models(
             max_pixels=settings.max_image_pixels,
             decoder=f.decoder,
             merge_buckets=f.merge_buckets,
+            continuous=f.continuous,
         )
         served["formula"] = served_class(
             "formula",

@@ -73,6 +73,12 @@ class FormulaSettings(ModelSettings):
     max_new_tokens: int | None = Field(
         None, ge=1, description="Longest output; default from the model's generation config."
     )
+    continuous: bool = Field(
+        True,
+        description="Continuous batching with the static decoder: new requests join a "
+        "running decode at its next check (every 8 steps) and each answer returns as "
+        "soon as its own formula ends, instead of batches that start and end together.",
+    )
 
 
 class ImageSettings(ModelSettings):

@@ -4,6 +4,11 @@ Callers `submit()` a preprocessed payload with its bucket key and get back a
 `BatchResult`. A single scheduler task owns the `BucketQueue`; it forms a batch
 whenever a worker is idle and the policy says a bucket is ready, and hands the
 batch to that worker's thread so the event loop stays free for HTTP.
+
+A worker with a `stream` runner batches continuously (`batching.stream`): the
+first batch starts a stream as above, and while it runs the scheduler hands it
+every queued request it has room for, at once, whatever its bucket; each
+request's answer returns the moment its row finishes.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from batching.errors import (
     OutOfMemory,
 )
 from batching.queue import BatchPlan, BatchPolicy, BucketQueue, DrainRate, Pending, State
+from batching.stream import Feed, Joined, StreamRunner
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +55,14 @@ class Worker:
 
     `executor` is the single thread that runs them; pass one to share a device's
     thread between batchers (a CPU should have one compute thread), else the
-    batcher makes its own.
+    batcher makes its own. With `stream`, batches run continuously through it
+    instead of `run` (which the batcher then does not call).
     """
 
     name: str
     run: BatchRunner
     executor: Executor | None = None
+    stream: StreamRunner | None = None
 
 
 class BatchObserver(Protocol):
@@ -63,6 +71,17 @@ class BatchObserver(Protocol):
     def batch(
         self, batcher: str, worker: str, bucket: Hashable, items: list[Pending]
     ) -> contextlib.AbstractContextManager[Any]: ...
+
+    def join(
+        self, batcher: str, worker: str, bucket: Hashable, items: list[Pending], running: int
+    ) -> tuple[Any, Any]:
+        """Requests joined a running stream, `running` rows in all now: returns (handle,
+        ref), `ref` for the requests to link to, `handle` for `leave()`."""
+        ...
+
+    def leave(self, handle: Any) -> None:
+        """Every request of one `join()` has its answer."""
+        ...
 
     def queue_depth(self, batcher: str, depth: int) -> None: ...
 
@@ -73,6 +92,12 @@ class _NullObserver:
     @contextlib.contextmanager
     def batch(self, batcher: str, worker: str, bucket: Hashable, items: list[Pending]):
         yield None
+
+    def join(self, batcher, worker, bucket, items, running) -> tuple[Any, Any]:
+        return None, None
+
+    def leave(self, handle: Any) -> None:
+        pass
 
     def queue_depth(self, batcher: str, depth: int) -> None:
         pass
@@ -137,7 +162,8 @@ class Batcher:
                 self._owned.append(own)
             self._executors[w.name] = w.executor or own
         self._tasks: set[asyncio.Task] = set()
-        self._inflight = 0  # batches handed to a worker and not yet resolved
+        self._inflight = 0  # batches (and streams) handed to a worker and not yet resolved
+        self._streams: dict[str, Feed] = {}  # running streams, by worker
         self._wakeup = asyncio.Event()
         self._idle_event = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
@@ -289,6 +315,7 @@ class Batcher:
         now = self._clock()
         for item in self._queue.expire(now):
             self._fail(item, DeadlineExceeded("the request waited past its deadline"), "deadline")
+        self._top_up_streams()
         while self._idle:
             plan = self._queue.next_batch(now, self._draining, self._idle_since())
             if plan is None:
@@ -307,7 +334,11 @@ class Batcher:
         for item in plan.items:
             item.state = State.RUNNING
         self._inflight += 1
-        task = asyncio.get_running_loop().create_task(self._execute(worker, plan))
+        if worker.stream is not None:
+            run = self._execute_stream(worker, self._start_stream(worker, plan.items))
+        else:
+            run = self._execute(worker, plan)
+        task = asyncio.get_running_loop().create_task(run)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -327,6 +358,97 @@ class Batcher:
         self._inflight -= 1
         self._free_since[worker.name] = self._clock()
         self._idle.append(worker)
+        self._wake()
+
+    # -- streams (continuous batching) ---------------------------------------
+
+    def _top_up_streams(self) -> None:
+        """Hand queued requests to running streams with room, at once, any bucket."""
+        for feed in self._streams.values():
+            room = self.policy.max_batch_size - feed.holding
+            if not self._queue or room <= 0:
+                continue
+            items = self._queue.take_oldest(room)
+            if feed.offer(items):
+                for item in items:
+                    item.state = State.RUNNING
+            else:  # the stream is ending; these wait for the next launch
+                self._queue.restore(items)
+
+    def _start_stream(self, worker: Worker, items: list[Pending]) -> Feed:
+        loop = asyncio.get_running_loop()
+        feed = Feed(
+            lambda answered: loop.call_soon_threadsafe(self._deliver, feed, worker, answered),
+            clock=self._clock,
+            on_join=lambda joined, running: self._observer.join(
+                self.name, worker.name, max(item.bucket for item in joined), joined, running
+            ),
+            on_leave=self._observer.leave,
+        )
+        feed.offer(items)
+        self._streams[worker.name] = feed
+        return feed
+
+    async def _execute_stream(self, worker: Worker, feed: Feed) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            error = await loop.run_in_executor(
+                self._executors[worker.name], self._run_stream, worker, feed
+            )
+        except Exception as exc:  # the executor itself failed (shut down)
+            error = exc
+        # Answers the worker sent are delivered before this resumes (both go through
+        # call_soon_threadsafe, in order); whatever is left never got one.
+        self._streams.pop(worker.name, None)
+        left = feed.unanswered()
+        if left:
+            if error is None:
+                error = BatchFailed(f"the {worker.name} worker ended without answering")
+                log.error("stream on %s ended with %d requests unanswered", worker.name, len(left))
+            failure = self._failure(error, len(left))
+            for item in left:
+                item.state = State.DONE
+                if not item.future.done():
+                    item.future.set_result(failure)
+        self._inflight -= 1
+        self._free_since[worker.name] = self._clock()
+        self._idle.append(worker)
+        self._wake()
+
+    def _run_stream(self, worker: Worker, feed: Feed) -> BaseException | None:
+        """On the worker thread: run the stream until it finishes; its failure, if any."""
+        try:
+            worker.stream(feed)
+        except OutOfMemory as exc:
+            log.error("stream on %s ran out of device memory", worker.name)
+            return BatchFailed(f"the device ran out of memory: {exc}")
+        except Exception as exc:
+            log.exception("stream failed on %s", worker.name)
+            return exc
+        return None
+
+    def _deliver(
+        self, feed: Feed, worker: Worker, answered: list[tuple[Pending, Any, Joined, float]]
+    ) -> None:
+        """On the event loop: answers from a stream, each as its row finished."""
+        for item, value, joined, finished in answered:
+            error = value if isinstance(value, Exception) else None
+            if error is not None and not isinstance(error, Cancelled | BatchFailed):
+                error = BatchFailed(f"the model failed on this request: {error}")
+            outcome = _Outcome(
+                value=None if error is not None else value,
+                error=error,
+                batch_size=joined.running,
+                worker=worker.name,
+                started=joined.started,
+                finished=finished,
+                batch_ref=joined.ref,
+            )
+            item.state = State.DONE
+            if not item.future.done():
+                item.future.set_result(outcome)
+        feed.delivered += len(answered)
+        self._drain_rate.record(self._clock(), len(answered))
         self._wake()
 
     def _run_plan(self, worker: Worker, bucket: Hashable, items: list[Pending]) -> list[_Outcome]:

@@ -16,6 +16,13 @@ up and returns `(runner, info)`; `info` (a small picklable dict) comes back from
 exits when the pipe closes or the parent dies. A batch's exception is re-raised in
 the parent, so `OutOfMemory` still splits batches; `should_stop` is relayed to the
 child through a shared flag.
+
+A runner with a `stream` attribute (a `StreamRunner`) also streams: `run_stream(feed)`
+relays the batcher's `Feed` over the pipe. The parent forwards new requests ("add")
+and cancellations as they come, the child sends answers ("done") as rows finish and
+says "idle" with the count of requests it has received when it has nothing left; the
+parent ends the stream ("end") only if that count is all it sent and the feed has
+nothing new, so a request in flight on the pipe is never dropped.
 """
 
 from __future__ import annotations
@@ -26,11 +33,13 @@ import multiprocessing
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from batching.batcher import BatchRunner, ShouldStop
 from batching.errors import BatchFailed, picklable
+from batching.stream import Feed
 
 Build = Callable[[], tuple[BatchRunner, dict]]
 Report = Callable[[], Any]
@@ -56,6 +65,7 @@ class ProcessRunner:
         self.report = report
         self.reported: Any = None
         self.info: dict = {}
+        self.streams = False  # whether the child's runner can stream (`run_stream`)
         self.restarts = 0
         self._context = multiprocessing.get_context("spawn")
         self._stop = self._context.Event()
@@ -81,8 +91,8 @@ class ProcessRunner:
         if kind != "ready":
             self.close()
             raise value
-        self.info = value
-        return value
+        self.info, self.streams = value
+        return self.info
 
     def __call__(self, payloads: list[Any], should_stop: ShouldStop) -> list[Any]:
         kind, value = self._run(payloads, should_stop)
@@ -101,6 +111,44 @@ class ProcessRunner:
         except OSError:
             return "lost", self._died()
         return self._receive(should_stop)
+
+    def run_stream(self, feed: Feed, take_limit: int = 1 << 16) -> None:
+        """Relay a stream between the batcher's `feed` and the child (module docstring).
+
+        The batcher never offers more than the child's rows, so everything offered is
+        forwarded at once; the child admits it at its next step boundary.
+        """
+        if not self._process.is_alive():
+            self._restart()
+        first = feed.take(take_limit)
+        sent, outstanding, cancels = len(first), {key for key, _ in first}, set()
+        try:
+            self._conn.send(("stream", first))
+            while True:
+                if self._conn.poll(self.poll_s):
+                    kind, value = self._conn.recv()
+                    if kind == "done":
+                        outstanding.difference_update(key for key, _ in value)
+                        feed.done(value)
+                    elif kind == "report":
+                        self.reported = value
+                    elif kind == "idle":
+                        if value == sent and feed.finish():
+                            self._conn.send(("end", None))
+                            return
+                    elif kind == "error":
+                        raise value
+                new = feed.take(take_limit)
+                if new:
+                    self._conn.send(("add", new))
+                    sent += len(new)
+                    outstanding.update(key for key, _ in new)
+                gone = set(feed.cancelled(list(outstanding))) - cancels
+                if gone:
+                    self._conn.send(("cancel", list(gone)))
+                    cancels |= gone
+        except (EOFError, OSError):
+            raise self._died() from None
 
     def close(self) -> None:
         """Ask the child to exit, then make sure it has."""
@@ -174,8 +222,9 @@ def _serve(build: Build, conn, stop, parent_pid: int, report: Report | None = No
     except BaseException as exc:  # reported to start(), which raises it in the parent
         conn.send(("error", picklable(exc)))
         return
+    stream = getattr(run, "stream", None)
     _send_report(conn, report)
-    conn.send(("ready", info))
+    conn.send(("ready", (info, stream is not None)))
     while True:
         try:
             payloads = conn.recv()
@@ -183,6 +232,18 @@ def _serve(build: Build, conn, stop, parent_pid: int, report: Report | None = No
             return
         if payloads is None:
             return
+        if isinstance(payloads, tuple):  # ("stream", first requests)
+            feed = _ChildFeed(conn, payloads[1])
+            try:
+                stream(feed)
+            except Exception as exc:
+                if feed.quit:
+                    return
+                conn.send(("error", picklable(exc)))
+            if feed.quit:
+                return
+            _send_report(conn, report)
+            continue
         conn.send(("taken", None))
         try:
             result = run(payloads, stop.is_set)
@@ -192,6 +253,64 @@ def _serve(build: Build, conn, stop, parent_pid: int, report: Report | None = No
         else:
             _send_report(conn, report)
             conn.send(("ok", result))
+
+
+class _ChildFeed:
+    """In the child: the stream's `Feed`, over the pipe (see `ProcessRunner.run_stream`)."""
+
+    def __init__(self, conn, first: list[tuple[int, Any]]) -> None:
+        self.conn = conn
+        self.inbox = deque(first)
+        self.received = len(first)
+        self.gone: set[int] = set()
+        self.ended = False
+        self.quit = False  # the parent closed the pipe or asked the child to exit
+
+    def take(self, limit: int) -> list[tuple[int, Any]]:
+        self._pump()
+        return [self.inbox.popleft() for _ in range(min(limit, len(self.inbox)))]
+
+    def cancelled(self, keys: list[int]) -> list[int]:
+        self._pump()
+        return [key for key in keys if key in self.gone]
+
+    def done(self, results: list[tuple[int, Any]]) -> None:
+        answers = [(k, picklable(v) if isinstance(v, BaseException) else v) for k, v in results]
+        try:
+            self.conn.send(("done", answers))
+        except OSError:  # the parent is gone; the stream runs out its rows and ends
+            self.ended = self.quit = True
+
+    def finish(self) -> bool:
+        self._pump()
+        if self.inbox:
+            return False
+        self.conn.send(("idle", self.received))
+        while not self.inbox and not self.ended:
+            self._pump(block=True)
+        return not self.inbox
+
+    def _pump(self, block: bool = False) -> None:
+        """Read whatever the parent sent (waiting for one message with `block`)."""
+        while not self.ended and (block or self.conn.poll()):
+            block = False
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                message = None
+            if message is None:
+                self.ended = self.quit = True
+                if self.inbox:  # nobody is left to answer
+                    self.inbox.clear()
+                return
+            kind, value = message
+            if kind == "add":
+                self.inbox.extend(value)
+                self.received += len(value)
+            elif kind == "cancel":
+                self.gone.update(value)
+            elif kind == "end":
+                self.ended = True
 
 
 def _send_report(conn, report: Report | None) -> None:

@@ -206,6 +206,21 @@ class BucketQueue:
             key = max(item.bucket for item in take)
         return BatchPlan(bucket=key, items=take)
 
+    def take_oldest(self, count: int) -> list[Pending]:
+        """Pop up to `count` requests of any bucket, earliest deadline first: top-ups for
+        a running stream, which takes any bucket at once (`batching.stream`)."""
+        take = sorted(self, key=lambda item: item.deadline)[:count]
+        for item in take:
+            self.remove(item)
+        return take
+
+    def restore(self, items: list[Pending]) -> None:
+        """Put popped requests back at the head of their buckets, in order."""
+        for item in reversed(items):
+            self._buckets.setdefault(item.bucket, deque()).appendleft(item)
+            self._size += 1
+            self._cost += item.cost
+
     def next_wakeup(self, include_wait: bool = True, free_since: float = -math.inf) -> float | None:
         """The earliest time at which a bucket's wait runs out or a deadline passes.
 

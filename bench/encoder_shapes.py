@@ -62,7 +62,9 @@ def main() -> None:
             first.append(timed(device, lambda p=pixels: model.encoder(pixel_values=p)))
             repeat.append(timed(device, lambda p=pixels: model.encoder(pixel_values=p)))
             if decoder is not None:
-                replay.append(timed(device, lambda p=pixels: decoder._load_source(p, 0)))
+                replay.append(
+                    timed(device, lambda p=pixels: decoder._load_source(p, list(range(p.shape[0]))))
+                )
     table = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "shapes": len(first),

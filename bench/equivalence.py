@@ -4,8 +4,11 @@
 
 Batches are formed the way the server forms them under load (arrival order,
 widths merged and padded to the widest), through the served adapter on the
-default device. Also compares Texel's static decoder with transformers'
-`generate()` on the same batches where both are available. Prints one JSON line
+default device. With continuous batching (the default with the static decoder)
+the formulas also go through the adapter's stream, joining the running decode in
+waves of random size at every check, as requests arrive at a busy server. Also
+compares Texel's static decoder with transformers' `generate()` on the same
+batches where both are available. Prints one JSON line
 per comparison and appends them to `--out`.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -31,6 +35,36 @@ def decode_all(recognizer: FormulaRecognizer, device, items: list, batch_size: i
         tokens = run(items[start : start + batch_size], lambda: False)
         texts += [recognizer.detokenize(t) for t in tokens]
     return texts
+
+
+class _Arrivals:
+    """A stream `Feed` without a server: items arrive in waves of 1..`wave` per check."""
+
+    def __init__(self, items: list, wave: int, seed: int = 0) -> None:
+        self.waiting = list(enumerate(items))
+        self.wave = wave
+        self.random = random.Random(seed)
+        self.answers: dict[int, object] = {}
+
+    def take(self, limit: int) -> list:
+        count = min(limit, self.random.randint(1, self.wave))
+        taken, self.waiting = self.waiting[:count], self.waiting[count:]
+        return taken
+
+    def cancelled(self, keys: list[int]) -> list[int]:
+        return []
+
+    def done(self, results: list) -> None:
+        self.answers.update(results)
+
+    def finish(self) -> bool:
+        return not self.waiting
+
+
+def stream_all(recognizer: FormulaRecognizer, device, items: list, wave: int) -> list[str]:
+    arrivals = _Arrivals(items, wave)
+    recognizer.runner(device).stream(arrivals)
+    return [recognizer.detokenize(arrivals.answers[i]) for i in range(len(items))]
 
 
 def compare(name: str, left: list[str], right: list[str], **extra) -> dict:
@@ -76,6 +110,11 @@ def main() -> None:
         started = time.perf_counter()
         results[label] = decode_all(recognizer, device, items, size)
         print(f"{label}: {time.perf_counter() - started:.1f} s", flush=True)
+    streams = served.runner(device).stream is not None
+    if streams:
+        started = time.perf_counter()
+        results["served, streamed"] = stream_all(served, device, items, args.batch_size // 4)
+        print(f"served, streamed: {time.perf_counter() - started:.1f} s", flush=True)
     static = served.uses_static_decoder(device)
     records = [
         compare(
@@ -95,6 +134,16 @@ def main() -> None:
             **base,
         ),  # fmt: skip
     ]
+    if streams:
+        records.append(
+            compare(
+                "streamed (continuous batching) vs one at a time",
+                results["served, streamed"],
+                results["served, one at a time"],
+                batch_size=args.batch_size,
+                **base,
+            )
+        )
     for record in records:
         print(json.dumps(record), flush=True)
     if args.out:

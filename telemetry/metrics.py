@@ -58,7 +58,8 @@ QUEUE_WAIT = Histogram(
 )
 BATCH_SIZE = Histogram(
     "texel_batch_size",
-    "Requests per executed batch.",
+    "Requests per executed batch; with continuous batching, the rows decoding together "
+    "once new requests joined.",
     ["model"],
     buckets=BATCH_SIZE_BUCKETS,
     registry=REGISTRY,

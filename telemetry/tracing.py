@@ -200,6 +200,27 @@ class BatchTelemetry:
 
     @contextlib.contextmanager
     def batch(self, batcher: str, worker: str, bucket: Hashable, items: list[Any]):
+        span = self._start(worker, bucket, items, len(items))
+        with trace.use_span(span, end_on_exit=True):
+            yield span.get_span_context()
+
+    def join(
+        self, batcher: str, worker: str, bucket: Hashable, items: list[Any], running: int
+    ) -> tuple[Span, SpanContext]:
+        """Requests joined a running decode (continuous batching): a batch span of their
+        own, `texel.batch.size` the rows decoding together once they joined; it ends when
+        the last of them has its answer (`leave`)."""
+        span = self._start(worker, bucket, items, running, joined=len(items))
+        return span, span.get_span_context()
+
+    def leave(self, handle: Span | None) -> None:
+        if handle is not None:
+            handle.end()
+
+    def _start(
+        self, worker: str, bucket: Hashable, items: list[Any], size: int, joined: int | None = None
+    ) -> Span:
+        """A batch span (and its batch-size and padding metrics)."""
         links = [
             Link(item.context)
             for item in items
@@ -209,24 +230,25 @@ class BatchTelemetry:
             "gen_ai.operation.name": self.operation,
             "gen_ai.request.model": self.model,
             "texel.model": self.model,
-            "texel.batch.size": len(items),
+            "texel.batch.size": size,
             "texel.batch.bucket": str(bucket),
             "texel.device": worker,
         }
+        if joined is not None:
+            attributes["texel.batch.joined"] = joined
         efficiency = None
         if self._padding_efficiency is not None:
             efficiency = self._padding_efficiency([item.payload for item in items])
             if efficiency is not None:
                 attributes["texel.batch.padding_efficiency"] = round(efficiency, 4)
+        metrics.BATCH_SIZE.labels(self.model).observe(size)
+        if efficiency is not None:
+            metrics.PADDING_EFFICIENCY.labels(self.model).observe(efficiency)
         # A batch serves many traces: it starts a trace of its own and links them all.
-        with _tracer.start_as_current_span(
+        return _tracer.start_span(
             "batch", context=trace.set_span_in_context(trace.INVALID_SPAN), links=links,
             attributes=attributes,
-        ) as span:  # fmt: skip
-            metrics.BATCH_SIZE.labels(self.model).observe(len(items))
-            if efficiency is not None:
-                metrics.PADDING_EFFICIENCY.labels(self.model).observe(efficiency)
-            yield span.get_span_context()
+        )  # fmt: skip
 
     def queue_depth(self, batcher: str, depth: int) -> None:
         metrics.QUEUE_DEPTH.labels(self.model).set(depth)

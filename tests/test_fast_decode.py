@@ -389,3 +389,64 @@ def test_pixels_staged_in_an_upload_buffer_match_the_plain_path(tiny_model_dir) 
         assert torch.equal(staged, recognizer._pixels(items, "cpu"))
         used += staged[:, 0].numel()
     assert used == height * (2 * 64 + 128 + 2 * 256)
+
+
+@pytest.mark.parametrize("variant", [False, True])
+def test_rows_joining_a_running_decode_get_their_solo_tokens(tiny_model, variant: bool) -> None:
+    """Continuous batching: rows admitted at different steps, into slots freed by rows
+    that finished, each decode exactly as they would alone."""
+    import copy
+
+    model = _variant_model() if variant else copy.deepcopy(tiny_model)
+    _force_eos(model, _pixels(5, 256, seed=7))
+    decoder = StaticGreedyDecoder(
+        model, max_batch_size=4, max_new_tokens=MAX_NEW_TOKENS, max_source_len=TINY_SOURCE_LEN
+    )
+    arrivals = [_pixels(3, 256, seed=7), _pixels(2, 128, seed=8), _pixels(4, 64, seed=9)]
+    rows = [group[i : i + 1] for group in arrivals for i in range(group.shape[0])]
+    solo = [decoder.decode(row)[0].tolist() for row in rows]
+    pad = model.generation_config.pad_token_id
+    solo = [row[: max(i for i, t in enumerate(row) if t != pad) + 1] for row in solo]
+    assert len(set(map(tuple, solo))) > 1, "rows must differ"
+    assert any(len(row) < MAX_NEW_TOKENS + 1 for row in solo), "some rows must end early"
+
+    waiting = list(range(len(rows)))
+    slot_of: dict[int, int] = {}
+    got: dict[int, list[int]] = {}
+    most, joined_running = 0, 0
+    while waiting or decoder.running:
+        join = waiting[: decoder.free_slots]
+        if join:
+            joined_running += decoder.running > 0
+            slots = decoder.admit([rows[i] for i in join])
+            slot_of.update({slot: i for slot, i in zip(slots, join, strict=True)})
+            del waiting[: len(join)]
+        most = max(most, decoder.running)
+        decoder.run()
+        for slot, tokens in decoder.harvest().items():
+            got[slot_of.pop(slot)] = tokens
+    assert most == 4 and joined_running >= 1, "rows joined a running decode"
+    for i, expected in enumerate(solo):
+        assert got[i] == expected, f"row {i}:\njoined: {got[i]}\nalone:  {expected}"
+
+
+def test_a_released_row_frees_its_slot_and_leaves_the_others_alone(tiny_model) -> None:
+    decoder = StaticGreedyDecoder(
+        tiny_model, max_batch_size=2, max_new_tokens=MAX_NEW_TOKENS, max_source_len=128
+    )
+    pixels = _pixels(2, 128, seed=3)
+    alone = decoder.decode(pixels[1:])[0].tolist()
+    first, second = decoder.admit(pixels)
+    decoder.run()
+    decoder.release([first])
+    assert decoder.free_slots == 1
+    (third,) = decoder.admit(pixels[1:])
+    assert third == first
+    got = {}
+    while decoder.running:
+        decoder.run()
+        got.update(decoder.harvest())
+    assert got[third] == alone[: len(got[third])] and got[second] == alone[: len(got[second])]
+    with pytest.raises(ValueError, match="max_batch_size=2 with 2 rows running"):
+        decoder.admit(pixels)
+        decoder.admit(pixels[:1])

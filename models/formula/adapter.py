@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from transformers import (
 from transformers.utils import cached_file
 from transformers.utils import logging as transformers_logging
 
+from batching.errors import Cancelled
 from models.devices import (
     model_name,
     out_of_memory_as_batching_error,
@@ -91,6 +93,7 @@ class FormulaRecognizer:
         max_pixels: int = 16_000_000,
         decoder: str = "auto",
         merge_buckets: bool = True,
+        continuous: bool = True,
     ) -> None:
         self.source = source
         self.name = model_name(source, name)
@@ -102,6 +105,7 @@ class FormulaRecognizer:
         self.max_pixels = max_pixels
         self.decoder_setting = decoder
         self.merge_setting = merge_buckets
+        self.continuous = continuous
         self.spec: FormulaImageSpec | None = None
         self.tokenizer = None
         self._models: dict[str, VisionEncoderDecoderModel] = {}
@@ -182,14 +186,20 @@ class FormulaRecognizer:
         padded = sum(item.bucket for item in batch)
         return sum(min(item.width, item.bucket) for item in batch) / padded if padded else None
 
-    def runner(self, device: torch.device):
-        """The function the batcher calls on `device`'s worker thread."""
+    def runner(self, device: torch.device) -> _DeviceRunner:
+        """What the batcher calls on `device`'s worker thread: batches, and with the static
+        decoder and `continuous`, a stream (`batching.stream`) whose rows join and leave
+        a running decode."""
         key = str(device)
+        decoder = self._decoders.get(key)
 
         def run(batch: list[FormulaInput], should_stop) -> list[FormulaTokens]:
             return self._generate(key, batch, should_stop)
 
-        return run
+        stream = None
+        if decoder is not None and self.continuous:
+            stream = functools.partial(self._stream, decoder)
+        return _DeviceRunner(run, stream)
 
     def worker_factory(self, device: torch.device, max_batch_size: int):
         """What a worker process runs to serve `device`: a picklable call that loads
@@ -204,6 +214,7 @@ class FormulaRecognizer:
             "max_pixels": self.max_pixels,
             "decoder": self.decoder_setting,
             "merge_buckets": self.merge_setting,
+            "continuous": self.continuous,
         }
         return functools.partial(
             start_worker, FormulaRecognizer, options, str(device), max_batch_size
@@ -324,10 +335,11 @@ class FormulaRecognizer:
             copied.synchronize()
         return staging
 
-    def _decode_static(
-        self, decoder: StaticGreedyDecoder, batch, should_stop, max_new_tokens
-    ) -> list[list[int]]:
-        """Each bucket of a merged batch encoded at its own width, decoded together."""
+    def _upload(
+        self, decoder: StaticGreedyDecoder, batch: list[FormulaInput]
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """The batch's pixels on the device, one group per width bucket, and the order of
+        the batch's items in those groups."""
         device = str(decoder.device)
         order = sorted(range(len(batch)), key=lambda i: batch[i].bucket)
         groups: dict[int, list[FormulaInput]] = {}
@@ -342,12 +354,77 @@ class FormulaRecognizer:
             copied = torch.cuda.Event()
             copied.record()
             self._uploads[device] = (staging, copied)
+        return pixels, order
+
+    def _decode_static(
+        self, decoder: StaticGreedyDecoder, batch, should_stop, max_new_tokens
+    ) -> list[list[int]]:
+        """Each bucket of a merged batch encoded at its own width, decoded together."""
+        pixels, order = self._upload(decoder, batch)
         output = decoder.decode(pixels, max_new_tokens=max_new_tokens, should_stop=should_stop)
         rows = output.tolist()
         ids: list[list[int]] = [[] for _ in batch]
         for row, i in zip(rows, order, strict=True):
             ids[i] = row
         return ids
+
+    def _stream(self, decoder: StaticGreedyDecoder, feed) -> None:
+        """Continuous batching on `decoder`: at every check (`CHECK_EVERY` steps) new
+        requests join free rows, finished rows answer at once, rows whose clients went
+        away are dropped."""
+        special = set(self.tokenizer.all_special_ids)
+        keys: dict[int, int] = {}  # slot -> the feed's key
+        joined: dict[int, float] = {}  # slot -> when it joined
+        with torch.inference_mode():
+            while True:
+                new = feed.take(decoder.free_slots)
+                if new:
+                    self._join(decoder, new, keys, joined, feed)
+                if not decoder.running:
+                    if feed.finish():
+                        return
+                    continue
+                with out_of_memory_as_batching_error():
+                    decoder.run()
+                    finished = decoder.harvest()
+                now = time.perf_counter()
+                answers: list[tuple[int, Any]] = []
+                for slot, row in finished.items():
+                    tokens = [t for t in row if t not in special]
+                    answers.append(
+                        (
+                            keys.pop(slot),
+                            FormulaTokens(tokens, (now - joined.pop(slot)) / max(len(row) - 1, 1)),
+                        )
+                    )
+                gone = set(feed.cancelled(list(keys.values())))
+                if gone:
+                    slots = [slot for slot, key in keys.items() if key in gone]
+                    decoder.release(slots)
+                    for slot in slots:
+                        answers.append((keys.pop(slot), Cancelled("the client went away")))
+                        joined.pop(slot)
+                if answers:
+                    feed.done(answers)
+
+    def _join(self, decoder, new, keys: dict, joined: dict, feed) -> None:
+        """Admit new requests into free rows; a request that cannot start fails alone."""
+        batch = [payload for _, payload in new]
+        try:
+            with out_of_memory_as_batching_error():
+                pixels, order = self._upload(decoder, batch)
+                slots = decoder.admit(pixels)
+        except Exception as exc:
+            if len(new) == 1:
+                feed.done([(new[0][0], exc)])
+                return
+            for one in new:  # find the one that fails; the others join
+                self._join(decoder, [one], keys, joined, feed)
+            return
+        now = time.perf_counter()
+        for slot, i in zip(slots, order, strict=True):
+            keys[slot] = new[i][0]
+            joined[slot] = now
 
     def _decode_generate(self, device: str, batch, should_stop, max_new_tokens) -> list[list[int]]:
         output = self._models[device].generate(
@@ -358,6 +435,17 @@ class FormulaRecognizer:
             stopping_criteria=StoppingCriteriaList([_StopWhen(should_stop)]),
         )
         return output.tolist()
+
+
+@dataclass(frozen=True)
+class _DeviceRunner:
+    """A device's batch runner, and its stream runner when it batches continuously."""
+
+    run: Any
+    stream: Any = None
+
+    def __call__(self, batch, should_stop):
+        return self.run(batch, should_stop)
 
 
 def compact_latex(latex: str) -> str:

@@ -7,20 +7,27 @@ decoder that launch overhead, about 3 ms per step on an H200 whatever the batch
 size, is most of the decode time.
 
 How: every tensor a step touches lives in buffers allocated once: the
-self-attention K/V cache (`max_new_tokens + 1` positions), the cross-attention
-K/V (`max_source_len` positions, the batch's S positions valid and the rest
-masked out by an additive source mask), the current tokens, the step index,
-the "finished" flags and the output. A step reads its position from the
-step-index device tensor and advances it in place, so its kernels take the same
-arguments every time; on CUDA one step per batch-size bucket is captured as a
-CUDA graph and each later step is one `replay()`. Greedy argmax and the EOS/pad
-bookkeeping happen inside the step, so Python only synchronizes every
-`CHECK_EVERY` steps to see whether the batch is done. A graph holds
-`CHECK_EVERY` consecutive steps, so one `replay()` (one Python call, one grab of
-the GIL that the event loop also wants) runs them all; a batch may overshoot its
-token limit by a few steps into spare buffer positions, and those are cut off.
+self-attention K/V cache (`max_new_tokens + 2` positions), the cross-attention
+K/V (`max_source_len` positions, each row's S positions valid and the rest
+masked out by an additive source mask), the current tokens, each row's position
+and token limit, the "finished" flags and the output. A step reads the
+positions from a device tensor and advances them in place, so its kernels take
+the same arguments every time; on CUDA one step per batch-size bucket is
+captured as a CUDA graph and each later step is one `replay()`. Greedy argmax,
+the EOS/limit bookkeeping and padding after a row's end happen inside the step,
+so Python only synchronizes every `CHECK_EVERY` steps to see which rows are
+done. A graph holds `steps_per_run` consecutive steps (on CUDA all
+`CHECK_EVERY`), so one `replay()` (one Python call, one grab of the GIL that
+the event loop also wants) runs them all.
 On a CPU the same step runs eagerly, one at a time; it still skips
 `generate()`'s per-step overhead.
+
+Rows are slots with positions of their own, so the batch need not start or end
+together (continuous batching): `admit()` encodes new rows into free slots
+between two runs of steps, `harvest()` hands back the rows that have finished
+and frees their slots, and each row stops at its own token limit inside the
+step. A row's tokens depend only on its own image, whatever the other slots
+hold. `decode()` is one batch admitted at once and run to its end.
 
 The encoder gets the same treatment on CUDA. A served batch holds several width
 buckets, each encoded alone, so eager encoding met a new (rows, width) shape on
@@ -153,8 +160,6 @@ class StaticGreedyDecoder:
         self.pad_encoder_rows = (
             self.device.type == "cuda" if pad_encoder_rows is None else pad_encoder_rows
         )
-        # Room for the steps a last run may take past max_new_tokens.
-        self.max_steps = -(-max_new_tokens // self.steps_per_run) * self.steps_per_run
 
         generation = model.generation_config
         start = generation.decoder_start_token_id
@@ -171,8 +176,6 @@ class StaticGreedyDecoder:
         self._graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self._pool = None
         self._warned_capture = False
-        self._host_step = 0  # the step index, as Python counts it (eager decoding)
-        self._source_len = max_source_len  # the loaded batch's longest source
         self._encoder_graphs: dict[tuple[int, ...], _EncoderGraph | None] = {}
         self._encoder_pool = None
         self._encoder_input: torch.Tensor | None = None  # flat; each graph views a prefix
@@ -182,7 +185,8 @@ class StaticGreedyDecoder:
         """The static buffers every step reads and writes."""
         device, dtype = self.device, self.dtype
         batch, heads, dim = self.max_batch_size, self.num_heads, self.head_dim
-        cache_len = self.max_steps + 1
+        # Positions 0..max_new_tokens are written; a finished row rests one past its end.
+        cache_len = self.max_new_tokens + 2
         self.self_k = torch.zeros(
             num_layers, batch, heads, cache_len, dim, device=device, dtype=dtype
         )
@@ -191,20 +195,29 @@ class StaticGreedyDecoder:
         self.cross_k = torch.zeros(cross_shape, device=device, dtype=dtype)
         self.cross_v = torch.zeros_like(self.cross_k)
         self.neg = torch.finfo(dtype).min
-        # Per row: a row attends to its own source length only.
+        # Per row: a row attends to its own source length only. An empty slot attends
+        # to one (zero) position, so it computes finite values and no NaNs.
         self.source_mask = torch.full(
             (batch, 1, 1, self.max_source_len), self.neg, device=device, dtype=dtype
         )
-        self.cache_positions = torch.arange(cache_len, device=device)  # [T]; mask is [1, T]
+        self.source_mask[..., :1] = 0
+        self.cache_positions = torch.arange(cache_len, device=device)  # [T]
         self.eos_ids = torch.tensor(eos, device=device, dtype=torch.long)
         positions = self.decoder.embed_positions
         # Sinusoidal tables are a plain CPU attribute; HF moves the rows it picks to the device.
         self.sinusoids = getattr(positions, "weights", torch.empty(0)).to(device)
-        self.step_index = torch.zeros(1, device=device, dtype=torch.long)
+        # Per row: the position of the token it feeds next, and its token limit.
+        self.positions = torch.zeros(batch, device=device, dtype=torch.long)
+        self.limits = torch.full((batch,), self.max_new_tokens, device=device, dtype=torch.long)
         self.tokens = torch.full((batch,), self.start_id, device=device, dtype=torch.long)
-        self.finished = torch.zeros(batch, device=device, dtype=torch.bool)
+        self.finished = torch.ones(batch, device=device, dtype=torch.bool)
         self.finished_at = torch.zeros(batch, device=device, dtype=torch.long)
         self.output = torch.full((batch, cache_len), self.pad_id, device=device, dtype=torch.long)
+        # Host side: occupied slots, each one's source length, and an upper bound of
+        # each one's position (eager attention reads only that far).
+        self._live: set[int] = set()
+        self._slot_source = [0] * batch
+        self._slot_steps = [0] * batch
 
     # -- public --------------------------------------------------------------
 
@@ -216,7 +229,6 @@ class StaticGreedyDecoder:
         per width bucket: with CUDA graphs, each gets one encoder graph per batch bucket.
         """
         if not self.use_cuda_graphs:
-            self._reset(1, 1)
             self._step(1)
             return
         for bucket in sorted(_batch_buckets(self.max_batch_size), reverse=True):
@@ -241,34 +253,112 @@ class StaticGreedyDecoder:
         `pixel_values` is one batch, or a list of consecutive row groups each padded to
         its own width: each group is encoded alone and its rows attend only to their own
         source positions, so a row decodes as it would in a batch of its own width.
+        Needs every slot free (no rows admitted and not yet harvested).
+        """
+        if self._live:
+            raise RuntimeError("decode() needs every slot free")
+        slots = self.admit(pixel_values, max_new_tokens=max_new_tokens)
+        index = torch.tensor(slots, device=self.device)
+        limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        steps = 0
+        while steps < limit:
+            self.run()
+            steps += CHECK_EVERY
+            if bool(self.finished[index].all()) or should_stop():
+                break
+        rows = self._rows(slots, stopped_after=min(steps, limit))
+        self.release(slots)
+        width = max(len(row) for row in rows)
+        out = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = torch.tensor(row)
+        return out
+
+    @torch.inference_mode()
+    def admit(
+        self, pixel_values: torch.Tensor | list[torch.Tensor], *, max_new_tokens: int | None = None
+    ) -> list[int]:
+        """Encode new rows into the lowest free slots and start them; their slots, in order.
+
+        `pixel_values` as for `decode()`. Rows already running go on unchanged.
         """
         limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         if limit > self.max_new_tokens:
             raise ValueError(f"max_new_tokens={limit} exceeds {self.max_new_tokens}")
         groups = pixel_values if isinstance(pixel_values, list) else [pixel_values]
-        batch = sum(group.shape[0] for group in groups)
-        if batch > self.max_batch_size:
-            raise ValueError(f"batch of {batch} exceeds max_batch_size={self.max_batch_size}")
-        # Eagerly, no padding rows; a graph per batch bucket otherwise.
-        bucket = self._bucket_of(batch) if self.use_cuda_graphs else batch
-        run = self._runner(bucket)  # captures first if warmup() did not
-        self.source_mask.fill_(self.neg)
-        self._source_len = 1
-        row = 0
+        count = sum(group.shape[0] for group in groups)
+        free = [slot for slot in range(self.max_batch_size) if slot not in self._live]
+        if count > len(free):
+            raise ValueError(
+                f"batch of {count} exceeds max_batch_size={self.max_batch_size}"
+                + (f" with {len(self._live)} rows running" if self._live else "")
+            )
+        slots = free[:count]
+        first = 0
         for group in groups:
-            self._load_source(group.to(self.device, self.dtype), row)
-            row += group.shape[0]
-        self.source_mask[batch:, ..., :1] = 0  # dummy rows: any finite attention, no NaNs
-        self._reset(batch, bucket)
-        steps = 0
-        while steps < limit:
+            group_slots = slots[first : first + group.shape[0]]
+            self._load_source(group.to(self.device, self.dtype), group_slots)
+            first += group.shape[0]
+        index = torch.tensor(slots, device=self.device)
+        self.positions[index] = 0
+        self.limits[index] = limit
+        self.tokens[index] = self.start_id
+        self.finished[index] = False
+        self.output[index] = self.pad_id
+        self.output[index, 0] = self.start_id
+        for slot in slots:
+            self._slot_steps[slot] = 0
+        self._live.update(slots)
+        return slots
+
+    def run(self) -> None:
+        """`CHECK_EVERY` steps of every occupied slot (and the free ones below the
+        highest, which idle)."""
+        if not self._live:
+            return
+        # Eagerly, no padding rows; a graph per batch bucket otherwise.
+        rows = max(self._live) + 1
+        bucket = self._bucket_of(rows) if self.use_cuda_graphs else rows
+        run = self._runner(bucket)  # captures first if warmup() did not
+        for _ in range(CHECK_EVERY // self.steps_per_run):
             run()
-            steps += self.steps_per_run
-            if steps % CHECK_EVERY and steps < limit:
-                continue
-            if bool(self.finished[:batch].all()) or should_stop():
-                break
-        return self._collect(batch, min(steps, limit))
+
+    @torch.inference_mode()
+    def harvest(self) -> dict[int, list[int]]:
+        """The rows that have finished, {slot: tokens, start token first}; frees their slots.
+
+        One host synchronization.
+        """
+        if not self._live:
+            return {}
+        rows = max(self._live) + 1
+        state = torch.cat(
+            [self.finished[:rows, None].long(), self.finished_at[:rows, None], self.output[:rows]],
+            dim=1,
+        ).tolist()
+        done = {}
+        for slot in sorted(self._live):
+            finished, end, *tokens = state[slot]
+            if finished:
+                done[slot] = tokens[: end + 2]
+        self._live.difference_update(done)
+        return done
+
+    def release(self, slots: list[int]) -> None:
+        """Free slots whose rows are no longer wanted (their clients went away)."""
+        slots = [slot for slot in slots if slot in self._live]
+        if slots:
+            self.finished[torch.tensor(slots, device=self.device)] = True
+            self._live.difference_update(slots)
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_batch_size - len(self._live)
+
+    @property
+    def running(self) -> int:
+        """Rows admitted and not yet harvested or released."""
+        return len(self._live)
 
     # -- per batch -----------------------------------------------------------
 
@@ -276,8 +366,18 @@ class StaticGreedyDecoder:
         """The smallest batch bucket holding `rows` rows."""
         return next(b for b in _batch_buckets(self.max_batch_size) if b >= rows)
 
-    def _load_source(self, pixel_values: torch.Tensor, row: int) -> None:
-        """Encode rows `row...` and write their cross-attention K/V and source mask."""
+    def _rows(self, slots: list[int], stopped_after: int) -> list[list[int]]:
+        """Each slot's tokens so far: through its EOS (or limit), or `stopped_after` steps."""
+        state = torch.cat(
+            [self.finished[:, None].long(), self.finished_at[:, None], self.output], dim=1
+        )[torch.tensor(slots, device=self.device)].tolist()
+        return [
+            tokens[: end + 2] if finished else tokens[: stopped_after + 1]
+            for finished, end, *tokens in state
+        ]
+
+    def _load_source(self, pixel_values: torch.Tensor, slots: list[int]) -> None:
+        """Encode rows into `slots`: their cross-attention K/V and source mask."""
         count = pixel_values.shape[0]
         padded = self._bucket_of(count) if self.pad_encoder_rows else count
         graph = self._encoder_graphs.get((padded, *pixel_values.shape[1:]))
@@ -291,11 +391,17 @@ class StaticGreedyDecoder:
         source_len = kv.shape[-2]
         if source_len > self.max_source_len:
             raise ValueError(f"source length {source_len} exceeds {self.max_source_len}")
-        rows = slice(row, row + count)
-        self.cross_k[:, rows, :, :source_len].copy_(kv[0, :, :count])
-        self.cross_v[:, rows, :, :source_len].copy_(kv[1, :, :count])
+        first = slots[0]
+        if slots == list(range(first, first + count)):  # contiguous: views, no index tensors
+            rows: slice | torch.Tensor = slice(first, first + count)
+        else:
+            rows = torch.tensor(slots, device=self.device)
+        self.cross_k[:, rows, :, :source_len] = kv[0, :, :count]
+        self.cross_v[:, rows, :, :source_len] = kv[1, :, :count]
+        self.source_mask[rows] = self.neg
         self.source_mask[rows, ..., :source_len] = 0
-        self._source_len = max(self._source_len, source_len)
+        for slot in slots:
+            self._slot_source[slot] = source_len
 
     def _encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Cross-attention K and V of every decoder layer: [2, layers, rows, heads, S, D]."""
@@ -307,23 +413,6 @@ class StaticGreedyDecoder:
         values = [self._heads(layer.encoder_attn.v_proj(hidden)) for layer in self.decoder.layers]
         return torch.stack([torch.stack(keys), torch.stack(values)])
 
-    def _reset(self, batch: int, bucket: int) -> None:
-        """Start state: step 0, start tokens, dummy rows beyond `batch` already finished."""
-        self.step_index.zero_()
-        self._host_step = 0
-        self.tokens.fill_(self.start_id)
-        self.finished.zero_()
-        self.finished[batch:bucket] = True
-        self.finished_at.fill_(self.max_steps)
-        self.output.fill_(self.pad_id)
-        self.output[:, 0] = self.start_id
-
-    def _collect(self, batch: int, steps: int) -> torch.Tensor:
-        """Output columns up to the step at which `generate()` would have stopped."""
-        if bool(self.finished[:batch].all()):
-            steps = min(steps, int(self.finished_at[:batch].max()) + 1)
-        return self.output[:batch, : steps + 1].cpu()
-
     # -- one step ------------------------------------------------------------
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -334,19 +423,18 @@ class StaticGreedyDecoder:
         """[B, H, L, D] -> [B, L, E]."""
         return x.transpose(1, 2).reshape(x.shape[0], -1, self.num_heads * self.head_dim)
 
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Token embeddings (scaled) plus positions, then the optional embedding LayerNorm."""
         decoder = self.decoder
         hidden = decoder.embed_tokens(tokens[:, None])
-        positions = decoder.embed_positions
+        table = decoder.embed_positions
         if decoder.config.use_learned_position_embeddings:
-            # Steps past max_new_tokens (a last run's overshoot, cut off later) reuse the
-            # last position rather than index past the table.
-            index = (self.step_index + positions.offset).clamp_(max=positions.weight.shape[0] - 1)
-            hidden = hidden + positions.weight[index][None]
+            # A finished row rests one past its last position; keep it inside the table.
+            index = (positions + table.offset).clamp_(max=table.weight.shape[0] - 1)
+            hidden = hidden + table.weight[index][:, None]
         else:
-            padding = positions.padding_idx
-            index = torch.where(tokens != padding, self.step_index + padding + 1, padding)
+            padding = table.padding_idx
+            index = torch.where(tokens != padding, positions + padding + 1, padding)
             index = index.clamp_(max=self.sinusoids.shape[0] - 1)
             hidden = hidden + self.sinusoids[index][:, None]
         if decoder.layernorm_embedding is not None:
@@ -358,20 +446,22 @@ class StaticGreedyDecoder:
         i: int,
         layer: nn.Module,
         hidden: torch.Tensor,
-        bucket: int,
-        self_mask: torch.Tensor | None,
-        lengths: tuple[int, int],
+        rows: int,
+        self_mask: torch.Tensor,
+        write: torch.Tensor,
+        source_len: int,
     ) -> torch.Tensor:
-        """One post-LN TrOCR decoder layer for a single new position, attending to the
-        first `lengths` = (cache, source) positions of the buffers."""
-        cache_len, source_len = lengths
+        """One post-LN TrOCR decoder layer for each row's new position: K/V written at
+        `write` (each row's position), attention over the cache positions `self_mask`
+        leaves open and the first `source_len` source positions."""
+        cache_len = self_mask.shape[-1]
         attn = layer.self_attn
-        self.self_k[i, :bucket].index_copy_(2, self.step_index, self._heads(attn.k_proj(hidden)))
-        self.self_v[i, :bucket].index_copy_(2, self.step_index, self._heads(attn.v_proj(hidden)))
+        self.self_k[i, :rows].scatter_(2, write, self._heads(attn.k_proj(hidden)))
+        self.self_v[i, :rows].scatter_(2, write, self._heads(attn.v_proj(hidden)))
         out = F.scaled_dot_product_attention(
             self._heads(attn.q_proj(hidden) * self.scaling),
-            self.self_k[i, :bucket, :, :cache_len],
-            self.self_v[i, :bucket, :, :cache_len],
+            self.self_k[i, :rows, :, :cache_len],
+            self.self_v[i, :rows, :, :cache_len],
             attn_mask=self_mask,
             scale=1.0,
         )
@@ -380,9 +470,9 @@ class StaticGreedyDecoder:
         cross = layer.encoder_attn
         out = F.scaled_dot_product_attention(
             self._heads(cross.q_proj(hidden) * self.scaling),
-            self.cross_k[i, :bucket, :, :source_len],
-            self.cross_v[i, :bucket, :, :source_len],
-            attn_mask=self.source_mask[:bucket, ..., :source_len],
+            self.cross_k[i, :rows, :, :source_len],
+            self.cross_v[i, :rows, :, :source_len],
+            attn_mask=self.source_mask[:rows, ..., :source_len],
             scale=1.0,
         )
         hidden = layer.encoder_attn_layer_norm(hidden + cross.out_proj(self._merge(out)))
@@ -390,36 +480,47 @@ class StaticGreedyDecoder:
         feed_forward = layer.fc2(layer.activation_fn(layer.fc1(hidden)))
         return layer.final_layer_norm(hidden + feed_forward)
 
-    def _step(self, bucket: int) -> None:
-        """Feed the current tokens, pick the next ones greedily, advance the step index."""
-        tokens = self.tokens[:bucket]
-        hidden = self._embed(tokens)
+    def _step(self, rows: int) -> None:
+        """Feed each row's current token, pick its next one greedily, advance its position.
+
+        Finished rows (and free slots) compute too, but write only padding past their end
+        and keep their position.
+        """
+        tokens, positions = self.tokens[:rows], self.positions[:rows]
+        finished = self.finished[:rows]
         if self.use_cuda_graphs:
-            # Graph-ready: whole buffers, positions after the current step masked out
-            # (one mask for every layer).
-            self_mask = torch.zeros_like(self.cache_positions, dtype=self.dtype).masked_fill_(
-                self.cache_positions > self.step_index, self.neg
-            )[None]
-            lengths = (self.cache_positions.shape[0], self.max_source_len)
+            # Graph-ready: whole buffers, every row's later positions masked out.
+            cache_len, source_len = self.cache_positions.shape[0], self.max_source_len
         else:
-            # Eager: Python knows the step, so attention reads only the filled cache
-            # positions and the batch's longest source, not the whole buffers.
-            self_mask, lengths = None, (self._host_step + 1, self._source_len)
+            # Eager: Python knows how far any row can be, and the longest source, so
+            # attention reads only that much of the buffers.
+            live = [slot for slot in self._live if slot < rows] or [0]
+            cache_len = min(
+                max(self._slot_steps[slot] for slot in live) + 1, self.cache_positions.shape[0]
+            )
+            source_len = max(self._slot_source[slot] for slot in live) or 1
+        hidden = self._embed(tokens, positions)
+        self_mask = torch.zeros((rows, 1, 1, cache_len), device=self.device, dtype=self.dtype)
+        self_mask.masked_fill_(
+            self.cache_positions[:cache_len] > positions[:, None, None, None], self.neg
+        )
+        write = positions[:, None, None, None].expand(rows, self.num_heads, 1, self.head_dim)
         for i, layer in enumerate(self.decoder.layers):
-            hidden = self._layer(i, layer, hidden, bucket, self_mask, lengths)
+            hidden = self._layer(i, layer, hidden, rows, self_mask, write, source_len)
         logits = self.lm_head(hidden[:, 0]).float()
-        finished = self.finished[:bucket]
         chosen = torch.where(finished, self.pad_id, logits.argmax(dim=-1))
         is_eos = (chosen[:, None] == self.eos_ids).any(dim=-1)
-        newly = is_eos & ~finished
-        self.finished_at[:bucket].copy_(
-            torch.where(newly, self.step_index, self.finished_at[:bucket])
-        )
-        finished |= is_eos
+        # The row's token count after this one; at its limit it ends like an EOS.
+        ends = is_eos | (positions + 1 >= self.limits[:rows])
+        newly = ends & ~finished
+        self.finished_at[:rows].copy_(torch.where(newly, positions, self.finished_at[:rows]))
+        self.output[:rows].scatter_(1, (positions + 1)[:, None], chosen[:, None])
+        positions.add_((~finished).long())
+        finished |= ends
         tokens.copy_(chosen)
-        self.output[:bucket].index_copy_(1, self.step_index + 1, chosen[:, None])
-        self.step_index += 1
-        self._host_step += 1
+        if not self.use_cuda_graphs:
+            for slot in self._live:
+                self._slot_steps[slot] += 1
 
     # -- CUDA graphs ---------------------------------------------------------
 
@@ -472,7 +573,6 @@ class StaticGreedyDecoder:
         try:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            self._reset(bucket, bucket)
             return _capture_graph(
                 lambda: self._steps(bucket),
                 self._pool,

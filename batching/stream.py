@@ -1,0 +1,146 @@
+"""Continuous batching: a worker that takes requests in and hands results back while it runs.
+
+A `BatchRunner` gets a fixed list and returns when the whole list is done, so a batch
+of formulas costs as long as its longest one, and requests that arrive meanwhile wait
+for the next batch. A `StreamRunner` instead runs for as long as there is work: at
+each step boundary it `take()`s requests the scheduler has handed it (up to its free
+rows), and `done()` returns each request's result the moment it is ready. Rows join
+and leave a running decode, so the device runs near its best batch size under a
+closed loop of clients instead of alternating between two half-size cohorts.
+
+`Feed` is the meeting point between the asyncio scheduler (which `offer()`s requests,
+never more than the worker's capacity) and the worker's thread (`take`, `done`,
+`finish`). It is thread-safe; results reach the event loop through
+`call_soon_threadsafe`. A stream ends only through `finish()`, which succeeds only
+when nothing offered is left to take, so no request is stranded between the two.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from batching.queue import Pending
+
+
+class StreamRunner(Protocol):
+    """Runs requests continuously on one device, on that device's worker thread.
+
+    Returns once `feed.finish()` has returned True. Every key it took must get a
+    result through `feed.done()` first (a value, or an `Exception` instance that fails
+    only that request); keys whose clients went away (`feed.cancelled`) may be
+    dropped early by reporting any result for them. Raising fails every request taken
+    and not yet done.
+    """
+
+    def __call__(self, feed: Feed) -> None: ...
+
+
+@dataclass
+class Joined:
+    """When requests joined a running stream together, and how many rows ran then."""
+
+    started: float
+    running: int
+    ref: Any = None  # what requests link to (the observer's span context for the join)
+    handle: Any = None  # what the observer ends once every member has left
+    members: int = 0
+
+
+class Feed:
+    """One running stream's inbox and outbox, shared by the scheduler and the worker."""
+
+    def __init__(
+        self,
+        deliver: Callable[[list[tuple[Pending, Any, Joined, float]]], None],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_join: Callable[[list[Pending], int], tuple[Any, Any]] = lambda items, n: (None, None),
+        on_leave: Callable[[Any], None] = lambda handle: None,
+    ) -> None:
+        self._deliver = deliver
+        self._clock = clock
+        self._on_join = on_join
+        self._on_leave = on_leave
+        self._lock = threading.Lock()
+        self._inbox: deque[Pending] = deque()
+        self._taken: dict[int, tuple[Pending, Joined]] = {}
+        self._closed = False
+        self.offered = 0  # by the scheduler; minus `delivered`, what the stream holds
+        self.delivered = 0
+
+    # -- the scheduler's side (event loop) ------------------------------------
+
+    def offer(self, items: list[Pending]) -> bool:
+        """Hand requests to the stream; False (nothing taken) once it has finished."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._inbox.extend(items)
+            self.offered += len(items)
+            return True
+
+    @property
+    def holding(self) -> int:
+        """Requests offered to the stream and not yet answered."""
+        return self.offered - self.delivered
+
+    def unanswered(self) -> list[Pending]:
+        """Requests offered and not answered (for failing them when the stream dies)."""
+        with self._lock:
+            self._closed = True
+            pending = list(self._inbox) + [item for item, _ in self._taken.values()]
+            joins = {id(joined): joined for _, joined in self._taken.values()}
+            self._inbox.clear()
+            self._taken.clear()
+        for joined in joins.values():
+            self._on_leave(joined.handle)
+        return pending
+
+    # -- the worker's side (its thread) ---------------------------------------
+
+    def take(self, limit: int) -> list[tuple[int, Any]]:
+        """Up to `limit` new requests as (key, payload), oldest first; never blocks."""
+        with self._lock:
+            items = [self._inbox.popleft() for _ in range(min(limit, len(self._inbox)))]
+            if not items:
+                return []
+            running = len(self._taken) + len(items)
+            joined = Joined(self._clock(), running, members=len(items))
+            joined.handle, joined.ref = self._on_join(items, running)
+            for item in items:
+                self._taken[id(item)] = (item, joined)
+        return [(id(item), item.payload) for item in items]
+
+    def cancelled(self, keys: list[int]) -> list[int]:
+        """Which of these taken requests' clients have gone away."""
+        with self._lock:
+            return [key for key in keys if key in self._taken and self._taken[key][0].cancelled]
+
+    def done(self, results: list[tuple[int, Any]]) -> None:
+        """Results of taken requests, by key: a value, or an Exception for that request."""
+        now = self._clock()
+        answered = []
+        with self._lock:
+            for key, value in results:
+                entry = self._taken.pop(key, None)
+                if entry is not None:
+                    answered.append((entry[0], value, entry[1], now))
+        for _, _, joined, _ in answered:
+            joined.members -= 1
+            if joined.members == 0:
+                self._on_leave(joined.handle)
+        if answered:
+            self._deliver(answered)
+
+    def finish(self) -> bool:
+        """End the stream if nothing is left to take (True); else False, take more."""
+        with self._lock:
+            if self._inbox:
+                return False
+            self._closed = True
+            return True

@@ -1,0 +1,245 @@
+"""Continuous batching (`batching.stream`): requests join a running stream and leave it
+as they finish, on a worker thread and through a worker process, with fake models."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from batching import Batcher, BatchFailed, BatchPolicy, ProcessRunner, Worker
+
+CHECK_S = 0.005
+
+
+class FakeStream:
+    """A payload (value, steps) decodes for `steps` checks of CHECK_S, then answers
+    value * 2. Holds at most `rows` at once; "boom" fails the stream, "die" kills the
+    process, "forget" is never answered."""
+
+    def __init__(self, rows: int = 4) -> None:
+        self.rows = rows
+        self.most = 0  # the most rows it held at once
+        self.joins: list[int] = []  # how many joined at each check where some did
+        self.cancelled: list[int] = []
+
+    def __call__(self, feed) -> None:
+        running: dict[int, list] = {}  # key -> [value, steps left]
+        while True:
+            new = feed.take(self.rows - len(running))
+            if new:
+                self.joins.append(len(new))
+            for key, payload in new:
+                if payload == "boom":
+                    raise RuntimeError("boom in the stream")
+                if payload == "die":
+                    os._exit(3)
+                if payload == "forget":
+                    return
+                running[key] = list(payload)
+            self.most = max(self.most, len(running))
+            if not running:
+                if feed.finish():
+                    return
+                continue
+            time.sleep(CHECK_S)
+            answers = []
+            for key, row in list(running.items()):
+                row[1] -= 1
+                if row[1] <= 0:
+                    answers.append((key, row[0] * 2))
+                    del running[key]
+            for key in feed.cancelled(list(running)):
+                self.cancelled.append(key)
+                answers.append((key, ValueError("cancelled")))
+                del running[key]
+            if answers:
+                feed.done(answers)
+
+
+def _no_batches(payloads, should_stop):
+    raise AssertionError("a streaming worker must not run plain batches")
+
+
+def make_batcher(stream, rows: int = 4, **policy) -> Batcher:
+    settings = dict(max_batch_size=rows, max_wait_s=0.001, max_queue=64, merge_buckets=True)
+    worker = Worker("cpu", _no_batches, stream=stream)
+    batcher = Batcher("fake", [worker], BatchPolicy(**{**settings, **policy}))
+    batcher.start()
+    return batcher
+
+
+async def _short_ones_overtake_a_long_one(batcher: Batcher, stream: FakeStream | None) -> None:
+    long = asyncio.create_task(batcher.submit((100, 200), bucket=1, timeout_s=30))
+    await asyncio.sleep(0.1)  # it is decoding
+    assert not long.done()
+    shorts = [
+        asyncio.create_task(batcher.submit((i, 3), bucket=i % 3, timeout_s=30)) for i in range(9)
+    ]
+    results = await asyncio.gather(*shorts)
+    assert [r.value for r in results] == [i * 2 for i in range(9)]
+    assert not long.done(), "short requests joined the running stream and answered first"
+    assert all(r.batch_size <= 4 for r in results)
+    assert max(r.batch_size for r in results) >= 2
+    assert (await long).value == 200
+    if stream is not None:
+        assert stream.most == 4, "never more rows than max_batch_size"
+        assert len(stream.joins) >= 3, "rows joined at several checks"
+
+
+async def test_requests_join_a_running_stream_and_leave_as_they_finish():
+    stream = FakeStream()
+    batcher = make_batcher(stream)
+    await _short_ones_overtake_a_long_one(batcher, stream)
+    # The stream ended once idle; a new request starts another.
+    assert (await batcher.submit((5, 1), bucket=0, timeout_s=5)).value == 10
+    assert await batcher.drain(5)
+    await batcher.close()
+
+
+async def test_a_failing_stream_fails_its_requests_and_the_next_one_starts_afresh():
+    batcher = make_batcher(FakeStream())
+    long = asyncio.create_task(batcher.submit((1, 100), bucket=0, timeout_s=30))
+    await asyncio.sleep(0.05)
+    with pytest.raises(BatchFailed, match="boom in the stream"):
+        await batcher.submit("boom", bucket=0, timeout_s=5)
+    with pytest.raises(BatchFailed, match="boom in the stream"):
+        await long  # it was running in the stream that failed
+    assert (await batcher.submit((4, 1), bucket=0, timeout_s=5)).value == 8
+    await batcher.close()
+
+
+async def test_a_stream_that_ends_without_answering_fails_the_request_instead_of_losing_it():
+    batcher = make_batcher(FakeStream())
+    with pytest.raises(BatchFailed, match="without answering"):
+        await batcher.submit("forget", bucket=0, timeout_s=5)
+    assert (await batcher.submit((3, 1), bucket=0, timeout_s=5)).value == 6
+    await batcher.close()
+
+
+async def test_a_cancelled_request_leaves_the_running_stream():
+    stream = FakeStream()
+    batcher = make_batcher(stream)
+    stays = asyncio.create_task(batcher.submit((1, 40), bucket=0, timeout_s=30))
+    goes = asyncio.create_task(batcher.submit((2, 10_000), bucket=0, timeout_s=30))
+    await asyncio.sleep(0.05)
+    goes.cancel()
+    assert (await stays).value == 2
+    assert len(stream.cancelled) == 1, "the stream dropped the row whose client went away"
+    assert await batcher.drain(5), "nothing left running"
+    await batcher.close()
+
+
+async def test_drain_waits_for_every_request_in_a_stream():
+    batcher = make_batcher(FakeStream())
+    tasks = [
+        asyncio.create_task(batcher.submit((i, 5 + 5 * i), bucket=0, timeout_s=30))
+        for i in range(6)
+    ]
+    await asyncio.sleep(0.02)
+    assert await batcher.drain(10)
+    assert [t.result().value for t in tasks] == [i * 2 for i in range(6)]
+    await batcher.close()
+
+
+# -- through a worker process --------------------------------------------------
+
+
+def _batch(payloads, should_stop):
+    return [p * 2 for p in payloads]
+
+
+@dataclass(frozen=True)
+class _Runner:
+    run: object
+    stream: object
+
+    def __call__(self, payloads, should_stop):
+        return self.run(payloads, should_stop)
+
+
+def build_streaming(rows: int = 4):
+    return _Runner(_batch, FakeStream(rows)), {"pid": os.getpid()}
+
+
+@pytest.fixture
+def process_runner():
+    runner = ProcessRunner(functools.partial(build_streaming, 4), name="texel-test-stream")
+    runner.start()
+    yield runner
+    runner.close()
+
+
+async def test_a_worker_process_streams(process_runner):
+    assert process_runner.streams
+    batcher = make_batcher(process_runner.run_stream)
+    await _short_ones_overtake_a_long_one(batcher, None)
+    assert await batcher.drain(5)  # the stream has ended: the pipe is free
+    await batcher.close()
+    # Plain batches still run there too.
+    assert process_runner([1, 2], lambda: False) == [2, 4]
+    # A request in the child whose client goes away is dropped there.
+    batcher = make_batcher(process_runner.run_stream)
+    goes = asyncio.create_task(batcher.submit((2, 10_000), bucket=0, timeout_s=30))
+    await asyncio.sleep(0.05)
+    goes.cancel()
+    assert await batcher.drain(5)
+    await batcher.close()
+
+
+async def test_a_worker_process_that_dies_mid_stream_fails_its_requests_and_restarts(
+    process_runner,
+):
+    batcher = make_batcher(process_runner.run_stream)
+    long = asyncio.create_task(batcher.submit((1, 200), bucket=0, timeout_s=30))
+    await asyncio.sleep(0.05)
+    died = asyncio.create_task(batcher.submit("die", bucket=0, timeout_s=30))
+    for task in (long, died):
+        with pytest.raises(BatchFailed, match="died"):
+            await task
+    assert (await batcher.submit((7, 2), bucket=0, timeout_s=30)).value == 14
+    assert process_runner.restarts == 1
+    await batcher.close()
+
+
+async def test_a_stream_error_in_the_child_reaches_its_requests(process_runner):
+    batcher = make_batcher(process_runner.run_stream)
+    with pytest.raises(BatchFailed, match="RuntimeError: boom in the stream"):
+        await batcher.submit("boom", bucket=0, timeout_s=30)
+    assert (await batcher.submit((7, 2), bucket=0, timeout_s=30)).value == 14
+    await batcher.close()
+
+
+# -- the formula model, served -------------------------------------------------
+
+
+def test_continuous_batching_serves_the_same_answers_as_whole_batches(start_server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.conftest import formula_png
+    from tests.test_preprocess_processes import TEXTS, recognize_all
+
+    images = [formula_png(text, size=(100 + 60 * i, 48)) for i, text in enumerate(TEXTS * 2)]
+    answers = {}
+    for continuous in ("true", "false"):
+        server = start_server(
+            TEXEL_FORMULA__CONTINUOUS=continuous, TEXEL_FORMULA__MAX_BATCH_SIZE="4"
+        )
+        answers[continuous] = recognize_all(server, images)
+        with server.client() as client:
+            text = client.get("/metrics").text
+        server.stop()
+        sizes = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "texel_batch_size"
+            for sample in family.samples
+            if sample.labels.get("model") and sample.name.endswith(("_count", "_sum"))
+        }
+        mean = sizes["texel_batch_size_sum"] / sizes["texel_batch_size_count"]
+        assert 1 <= mean <= 4, sizes
+    assert answers["true"] == answers["false"]
