@@ -90,8 +90,16 @@ async def _one(client: httpx.AsyncClient, workload: Workload, i: int, result: Lo
 async def closed_loop(
     url: str, workload: Workload, concurrency: int, duration_s: float, warmup_s: float = 2.0
 ) -> LoadResult:
-    """`concurrency` clients each send a request as soon as their previous one returns."""
-    limits = httpx.Limits(max_connections=concurrency + 4)
+    """`concurrency` clients each send a request as soon as their previous one returns.
+
+    Every client keeps its connection alive, as a browser does: with httpx's default of
+    20 kept-alive connections, a burst of answers closed the rest, and those clients
+    opened a new connection for each request (measured on an H200 at concurrency 256:
+    half the throughput, p99 seconds long, and now and then a reset connection).
+    """
+    limits = httpx.Limits(
+        max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4
+    )
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
         counter = iter(range(10**9))
         warm = LoadResult("closed", concurrency, warmup_s)
@@ -155,7 +163,9 @@ async def open_loop(
     rng = random.Random(seed)
     result = LoadResult("open", rate_rps, duration_s)
     async with httpx.AsyncClient(
-        base_url=url, timeout=120, limits=httpx.Limits(max_connections=1024)
+        base_url=url,
+        timeout=120,
+        limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024),
     ) as client:
         tasks = []
         started = time.perf_counter()
