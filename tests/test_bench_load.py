@@ -33,3 +33,47 @@ def test_closed_loop_over_two_processes_pools_every_request(server):
     assert result.ok > 0 and result.errors == {}
     assert sum(result.statuses.values()) == served  # both processes' requests, each once
     assert len(result.latencies_s) == result.ok
+
+
+def test_each_closed_loop_client_keeps_one_connection_of_its_own(tmp_path):
+    """Like browsers: every client keeps one connection, and none reconnects, so the
+    server sees exactly one connection per client; the open loop works the same way.
+    (Why no shared pool: its CPU cost per request grows with its size, a measurement in
+    `closed_loop`'s docstring, not something a test can time.)"""
+    import asyncio
+
+    from bench.load import closed_loop, open_loop
+
+    connections: set = set()
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        connections.add(tuple(scope["client"]))
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def run() -> tuple:
+        import uvicorn
+
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+        server = uvicorn.Server(config)
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        workload = Workload("POST", "/", lambda i: {"json": {"i": i}})
+        closed = await closed_loop(url, workload, 24, duration_s=1.0, warmup_s=0.2)
+        closed_connections = len(connections)
+        opened = await open_loop(url, workload, rate_rps=50, duration_s=0.5)
+        server.should_exit = True
+        await task
+        return closed, closed_connections, opened
+
+    closed, closed_connections, opened = asyncio.run(run())
+    assert closed.errors == {} and closed.ok > 24 * 3
+    assert closed_connections == 24
+    assert opened.errors == {} and opened.ok > 0
