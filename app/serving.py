@@ -28,6 +28,7 @@ from batching import (
     Batcher,
     BatchPolicy,
     BatchResult,
+    ComputeThread,
     ProcessRunner,
     Worker,
     exit_with_parent,
@@ -317,8 +318,7 @@ class Runtime:
         """
         key = str(device) if device.type == "cpu" else f"{model}-{device}"
         if key not in self.compute_threads:
-            self.compute_threads[key] = ThreadPoolExecutor(
-                max_workers=1,
+            self.compute_threads[key] = ComputeThread(
                 thread_name_prefix=f"texel-compute-{key}",
                 initializer=make_current,
                 initargs=(device,),

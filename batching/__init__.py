@@ -6,7 +6,14 @@ process of their own. See `Batcher` for the request path and
 `BucketQueue` for the policy.
 """
 
-from batching.batcher import Batcher, BatchObserver, BatchResult, BatchRunner, Worker
+from batching.batcher import (
+    Batcher,
+    BatchObserver,
+    BatchResult,
+    BatchRunner,
+    ComputeThread,
+    Worker,
+)
 from batching.errors import (
     BatchFailed,
     BatchingError,
@@ -30,6 +37,7 @@ __all__ = [
     "BatchingError",
     "BucketQueue",
     "Cancelled",
+    "ComputeThread",
     "DeadlineExceeded",
     "DrainRate",
     "Draining",

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -47,6 +48,30 @@ class BatchRunner(Protocol):
     """
 
     def __call__(self, payloads: list[Any], should_stop: ShouldStop) -> list[Any]: ...
+
+
+class ComputeThread(ThreadPoolExecutor):
+    """The one thread that runs a device's batches, counting the calls waiting for it.
+
+    Shared by several models (one compute thread per CPU), it lets a continuous stream
+    see that another model's batch waits, and give way (`batching.stream`).
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(max_workers=1, **kwargs)
+        self._count_lock = threading.Lock()
+        self.waiting = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        with self._count_lock:
+            self.waiting += 1
+
+        def started():
+            with self._count_lock:
+                self.waiting -= 1
+            return fn(*args, **kwargs)
+
+        return super().submit(started)
 
 
 @dataclass(frozen=True)
@@ -384,6 +409,7 @@ class Batcher:
                 self.name, worker.name, max(item.bucket for item in joined), joined, running
             ),
             on_leave=self._observer.leave,
+            yield_when=lambda: getattr(self._executors[worker.name], "waiting", 0) > 0,
         )
         feed.offer(items)
         self._streams[worker.name] = feed
@@ -400,7 +426,12 @@ class Batcher:
         # Answers the worker sent are delivered before this resumes (both go through
         # call_soon_threadsafe, in order); whatever is left never got one.
         self._streams.pop(worker.name, None)
-        left = feed.unanswered()
+        untaken, left = feed.leftovers()
+        if untaken:  # offered while it ended (it gave way to other work): queue again
+            for item in untaken:
+                item.state = State.QUEUED
+            self._queue.restore([item for item in untaken if not item.cancelled])
+            self._observer.queue_depth(self.name, len(self._queue))
         if left:
             if error is None:
                 error = BatchFailed(f"the {worker.name} worker ended without answering")

@@ -13,6 +13,11 @@ never more than the worker's capacity) and the worker's thread (`take`, `done`,
 `finish`). It is thread-safe; results reach the event loop through
 `call_soon_threadsafe`. A stream ends only through `finish()`, which succeeds only
 when nothing offered is left to take, so no request is stranded between the two.
+
+A stream on a thread shared with other models (one compute thread on a CPU) would
+hold that thread for as long as its own requests keep coming; with `yield_when`
+(other calls wait for the thread) it takes no more requests, ends once its rows
+have, and the requests offered to it and not taken go back to the queue.
 """
 
 from __future__ import annotations
@@ -61,11 +66,14 @@ class Feed:
         clock: Callable[[], float] = time.monotonic,
         on_join: Callable[[list[Pending], int], tuple[Any, Any]] = lambda items, n: (None, None),
         on_leave: Callable[[Any], None] = lambda handle: None,
+        yield_when: Callable[[], bool] = lambda: False,
     ) -> None:
         self._deliver = deliver
         self._clock = clock
         self._on_join = on_join
         self._on_leave = on_leave
+        self._yield_when = yield_when
+        self.yielded = False  # took no more requests so that other work could run
         self._lock = threading.Lock()
         self._inbox: deque[Pending] = deque()
         self._taken: dict[int, tuple[Pending, Joined]] = {}
@@ -89,22 +97,30 @@ class Feed:
         """Requests offered to the stream and not yet answered."""
         return self.offered - self.delivered
 
-    def unanswered(self) -> list[Pending]:
-        """Requests offered and not answered (for failing them when the stream dies)."""
+    def leftovers(self) -> tuple[list[Pending], list[Pending]]:
+        """Once the stream has ended: the requests offered and never taken (to queue
+        again), and those taken and never answered (to fail)."""
         with self._lock:
             self._closed = True
-            pending = list(self._inbox) + [item for item, _ in self._taken.values()]
+            untaken = list(self._inbox)
+            unanswered = [item for item, _ in self._taken.values()]
             joins = {id(joined): joined for _, joined in self._taken.values()}
             self._inbox.clear()
             self._taken.clear()
         for joined in joins.values():
             self._on_leave(joined.handle)
-        return pending
+        return untaken, unanswered
 
     # -- the worker's side (its thread) ---------------------------------------
 
     def take(self, limit: int) -> list[tuple[int, Any]]:
         """Up to `limit` new requests as (key, payload), oldest first; never blocks."""
+        # The first take always goes ahead, so a stream serves its first requests even
+        # when it gives way at once.
+        if self.offered > len(self._inbox) and not self.yielded and self._yield_when():
+            self.yielded = True
+        if self.yielded:
+            return []
         with self._lock:
             items = [self._inbox.popleft() for _ in range(min(limit, len(self._inbox)))]
             if not items:
@@ -140,7 +156,7 @@ class Feed:
     def finish(self) -> bool:
         """End the stream if nothing is left to take (True); else False, take more."""
         with self._lock:
-            if self._inbox:
+            if self._inbox and not self.yielded:
                 return False
             self._closed = True
             return True

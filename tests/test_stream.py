@@ -243,3 +243,47 @@ def test_continuous_batching_serves_the_same_answers_as_whole_batches(start_serv
         mean = sizes["texel_batch_size_sum"] / sizes["texel_batch_size_count"]
         assert 1 <= mean <= 4, sizes
     assert answers["true"] == answers["false"]
+
+
+async def test_a_stream_on_a_shared_thread_gives_way_to_another_models_batches():
+    """On a CPU two models share one compute thread: a stream under endless load must
+    let the other model's batch run, then carry on with the requests it left queued."""
+    from batching import ComputeThread
+
+    thread = ComputeThread(thread_name_prefix="texel-test-shared")
+    policy = dict(max_batch_size=4, max_wait_s=0.001, max_queue=64, merge_buckets=True)
+    streamed = Batcher(
+        "streamed",
+        [Worker("cpu", _no_batches, executor=thread, stream=FakeStream())],
+        BatchPolicy(**policy),
+    )
+    plain = Batcher(
+        "plain", [Worker("cpu", lambda payloads, stop: payloads, executor=thread)],
+        BatchPolicy(**policy),
+    )  # fmt: skip
+    streamed.start()
+    plain.start()
+    stop = asyncio.Event()
+    answered = 0
+
+    async def client(steps: int) -> None:
+        nonlocal answered
+        while not stop.is_set():
+            assert (await streamed.submit((1, steps), bucket=0, timeout_s=30)).value == 2
+            answered += 1
+
+    # Twice as many clients as rows, each row of its own length: rows end at different
+    # checks, so the stream (almost) never runs dry and ends by itself.
+    clients = [asyncio.create_task(client(20 + k)) for k in range(8)]
+    await asyncio.sleep(0.1)
+    result = await asyncio.wait_for(plain.submit("other", bucket=0, timeout_s=30), 5)
+    assert result.value == "other"
+    before = answered
+    await asyncio.sleep(0.5)  # rows take 20-27 checks of 5 ms
+    assert answered > before, "the streamed model carries on afterwards"
+    stop.set()
+    await asyncio.gather(*clients)
+    for batcher in (streamed, plain):
+        assert await batcher.drain(5)
+        await batcher.close()
+    thread.shutdown()
