@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     "machine": machine(),
                     "commit": commit(),
                     "command": "python -m bench.cpu " + " ".join(args.argv),
+                    "env": {k: v for k, v in env.items() if k.startswith(("TEXEL_", "OTEL_"))},
                     "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 }
                 records.append(record)
