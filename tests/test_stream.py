@@ -287,3 +287,21 @@ async def test_a_stream_on_a_shared_thread_gives_way_to_another_models_batches()
         assert await batcher.drain(5)
         await batcher.close()
     thread.shutdown()
+
+
+async def test_two_devices_each_run_a_stream_once_the_first_is_full():
+    """Two devices (fake): the first stream takes requests up to its rows, the rest
+    start a stream on the second device instead of waiting; every answer is right."""
+    streams = [FakeStream(rows=4), FakeStream(rows=4)]
+    workers = [Worker(f"dev{i}", _no_batches, stream=stream) for i, stream in enumerate(streams)]
+    policy = BatchPolicy(max_batch_size=4, max_wait_s=0.001, max_queue=64, merge_buckets=True)
+    batcher = Batcher("two", workers, policy)
+    batcher.start()
+    results = await asyncio.gather(
+        *(batcher.submit((i, 20), bucket=0, timeout_s=30) for i in range(8))
+    )
+    assert [r.value for r in results] == [i * 2 for i in range(8)]
+    assert {r.worker for r in results} == {"dev0", "dev1"}
+    assert [s.most for s in streams] == [4, 4], "each device ran a full stream"
+    assert await batcher.drain(5)
+    await batcher.close()
