@@ -427,11 +427,17 @@ class Batcher:
         # call_soon_threadsafe, in order); whatever is left never got one.
         self._streams.pop(worker.name, None)
         untaken, left = feed.leftovers()
-        if untaken:  # offered while it ended (it gave way to other work): queue again
+        if untaken and error is None and self._scheduler is not None:
+            # Offered while it ended (it gave way to other work): queue again.
             for item in untaken:
                 item.state = State.QUEUED
             self._queue.restore([item for item in untaken if not item.cancelled])
             self._observer.queue_depth(self.name, len(self._queue))
+        elif untaken and error is None:  # the batcher has closed meanwhile
+            for item in untaken:
+                self._fail(item, Draining("the server is shutting down"), "draining")
+        elif untaken:  # the stream failed before taking them: they fail with it
+            left = left + untaken
         if left:
             if error is None:
                 error = BatchFailed(f"the {worker.name} worker ended without answering")

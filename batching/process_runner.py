@@ -232,7 +232,10 @@ def _serve(build: Build, conn, stop, parent_pid: int, report: Report | None = No
             return
         if payloads is None:
             return
-        if isinstance(payloads, tuple):  # ("stream", first requests)
+        if isinstance(payloads, tuple):
+            if payloads[0] != "stream":
+                # Sent to a stream that has failed before the parent heard it failed.
+                continue
             feed = _ChildFeed(conn, payloads[1])
             try:
                 stream(feed)

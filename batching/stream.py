@@ -22,6 +22,7 @@ have, and the requests offered to it and not taken go back to the queue.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -30,6 +31,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from batching.queue import Pending
+
+# Keys of taken requests, unique in the process for good: `id()` of a finished request is
+# soon another's, and a late message about the old one (a cancel crossing its answer on
+# a worker process's pipe) must not touch the new one.
+_keys = itertools.count()
 
 
 class StreamRunner(Protocol):
@@ -128,9 +134,10 @@ class Feed:
             running = len(self._taken) + len(items)
             joined = Joined(self._clock(), running, members=len(items))
             joined.handle, joined.ref = self._on_join(items, running)
-            for item in items:
-                self._taken[id(item)] = (item, joined)
-        return [(id(item), item.payload) for item in items]
+            keyed = [(next(_keys), item) for item in items]
+            for key, item in keyed:
+                self._taken[key] = (item, joined)
+        return [(key, item.payload) for key, item in keyed]
 
     def cancelled(self, keys: list[int]) -> list[int]:
         """Which of these taken requests' clients have gone away."""

@@ -450,3 +450,50 @@ def test_a_released_row_frees_its_slot_and_leaves_the_others_alone(tiny_model) -
     with pytest.raises(ValueError, match="max_batch_size=2 with 2 rows running"):
         decoder.admit(pixels)
         decoder.admit(pixels[:1])
+
+
+def test_a_failed_decode_leaves_every_slot_free(tiny_model) -> None:
+    decoder = StaticGreedyDecoder(
+        tiny_model, max_batch_size=2, max_new_tokens=MAX_NEW_TOKENS, max_source_len=128
+    )
+    pixels = _pixels(2, 128, seed=4)
+
+    def fail():
+        raise RuntimeError("out of memory, say")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        decoder.decode(pixels, should_stop=fail)
+    assert decoder.running == 0 and decoder.free_slots == 2
+    assert torch.equal(decoder.decode(pixels), _generate(tiny_model, pixels, MAX_NEW_TOKENS))
+
+
+def test_a_failed_stream_leaves_every_slot_free(tiny_model_dir) -> None:
+    """The served stream: an error while rows run (here, from the feed) frees their rows."""
+    from models.formula.adapter import FormulaInput, FormulaRecognizer
+
+    cpu = torch.device("cpu")
+    recognizer = FormulaRecognizer(str(tiny_model_dir), [cpu], decoder="static")
+    recognizer.load()
+    recognizer.warmup(cpu, max_batch_size=2)
+    decoder = recognizer._decoders["cpu"]
+    blank = np.full((recognizer.spec.height, 64), 255, dtype=np.uint8)
+
+    class FailingFeed:
+        waiting = [(1, FormulaInput(blank, 64)), (2, FormulaInput(blank, 64))]
+
+        def take(self, limit):
+            taken, self.waiting = self.waiting[:limit], self.waiting[limit:]
+            return taken
+
+        def cancelled(self, keys):  # asked at every check, while the rows still run
+            raise RuntimeError("the pipe broke")
+
+        def done(self, results):
+            pass
+
+        def finish(self):
+            return not self.waiting
+
+    with pytest.raises(RuntimeError, match="the pipe broke"):
+        recognizer.runner(cpu).stream(FailingFeed())
+    assert decoder.running == 0

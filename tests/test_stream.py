@@ -305,3 +305,18 @@ async def test_two_devices_each_run_a_stream_once_the_first_is_full():
     assert [s.most for s in streams] == [4, 4], "each device ran a full stream"
     assert await batcher.drain(5)
     await batcher.close()
+
+
+async def test_a_stream_that_fails_before_taking_fails_its_requests_at_once():
+    """Not queued again (a worker that cannot start would loop until the deadline)."""
+    calls = []
+
+    def broken(feed) -> None:
+        calls.append(1)
+        raise RuntimeError("cannot start the worker")
+
+    batcher = make_batcher(broken)
+    with pytest.raises(BatchFailed, match="cannot start the worker"):
+        await batcher.submit((1, 1), bucket=0, timeout_s=30)
+    assert len(calls) == 1
+    await batcher.close()

@@ -375,6 +375,12 @@ class FormulaRecognizer:
         special = set(self.tokenizer.all_special_ids)
         keys: dict[int, int] = {}  # slot -> the feed's key
         joined: dict[int, float] = {}  # slot -> when it joined
+        try:
+            self._stream_loop(decoder, feed, special, keys, joined)
+        finally:  # a failed stream leaves no rows behind for the next one
+            decoder.release(list(keys))
+
+    def _stream_loop(self, decoder, feed, special: set, keys: dict, joined: dict) -> None:
         with torch.inference_mode():
             while True:
                 new = feed.take(decoder.free_slots)
@@ -390,6 +396,8 @@ class FormulaRecognizer:
                 now = time.perf_counter()
                 answers: list[tuple[int, Any]] = []
                 for slot, row in finished.items():
+                    if slot not in keys:  # not this stream's (cannot happen; never answer twice)
+                        continue
                     tokens = [t for t in row if t not in special]
                     answers.append(
                         (

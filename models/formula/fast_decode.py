@@ -258,16 +258,18 @@ class StaticGreedyDecoder:
         if self._live:
             raise RuntimeError("decode() needs every slot free")
         slots = self.admit(pixel_values, max_new_tokens=max_new_tokens)
-        index = torch.tensor(slots, device=self.device)
-        limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        steps = 0
-        while steps < limit:
-            self.run()
-            steps += CHECK_EVERY
-            if bool(self.finished[index].all()) or should_stop():
-                break
-        rows = self._rows(slots, stopped_after=min(steps, limit))
-        self.release(slots)
+        try:
+            index = torch.tensor(slots, device=self.device)
+            limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+            steps = 0
+            while steps < limit:
+                self.run()
+                steps += CHECK_EVERY
+                if bool(self.finished[index].all()) or should_stop():
+                    break
+            rows = self._rows(slots, stopped_after=min(steps, limit))
+        finally:  # an error (out of memory) leaves every slot free for the next batch
+            self.release(slots)
         width = max(len(row) for row in rows)
         out = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         for i, row in enumerate(rows):
