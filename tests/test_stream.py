@@ -320,3 +320,17 @@ async def test_a_stream_that_fails_before_taking_fails_its_requests_at_once():
         await batcher.submit((1, 1), bucket=0, timeout_s=30)
     assert len(calls) == 1
     await batcher.close()
+
+
+async def test_a_worker_process_ignores_messages_for_a_stream_that_failed(process_runner):
+    """After a stream fails in the child, the parent may already have sent it more
+    requests or cancellations; arriving between streams, they must not start one."""
+    process_runner._conn.send(("add", [(10**9, (1, 1))]))  # as if sent to a failed stream
+    process_runner._conn.send(("cancel", [10**9]))
+    batcher = make_batcher(process_runner.run_stream)
+    results = await asyncio.gather(
+        *(batcher.submit((i, 2), bucket=0, timeout_s=10) for i in range(3))
+    )
+    assert [r.value for r in results] == [0, 2, 4]
+    assert await batcher.drain(5)
+    await batcher.close()
