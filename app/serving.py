@@ -49,14 +49,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _stream_of(runner) -> Any:
-    """The runner's stream (continuous batching), if it has one: a worker process's
-    relay when its child streams, else the adapter runner's own."""
-    if isinstance(runner, ProcessRunner):
-        return runner.run_stream if runner.streams else None
-    return getattr(runner, "stream", None)
-
-
 class ServedModel:
     """One adapter, its per-device workers and its batcher."""
 
@@ -109,7 +101,9 @@ class ServedModel:
             for device in self.adapter.devices:
                 executor = executor_for(self.key, device)
                 runner = await self._runner(device, executor)
-                workers.append(Worker(str(device), runner, executor, stream=_stream_of(runner)))
+                # Continuous batching where the runner (or its worker process) streams.
+                stream = getattr(runner, "stream", None)
+                workers.append(Worker(str(device), runner, executor, stream=stream))
         except Exception as exc:
             self.state = "failed"
             self.error = f"{type(exc).__name__}: {exc}"

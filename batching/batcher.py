@@ -380,6 +380,10 @@ class Batcher:
             item.state = State.DONE
             if not item.future.done():
                 item.future.set_result(outcome)
+        self._worker_free(worker)
+
+    def _worker_free(self, worker: Worker) -> None:
+        """A worker's batch or stream is over: it takes the next one."""
         self._inflight -= 1
         self._free_since[worker.name] = self._clock()
         self._idle.append(worker)
@@ -442,15 +446,10 @@ class Batcher:
             if error is None:
                 error = BatchFailed(f"the {worker.name} worker ended without answering")
                 log.error("stream on %s ended with %d requests unanswered", worker.name, len(left))
-            failure = self._failure(error, len(left))
+            failure = self._failure(error, len(left)).error
             for item in left:
-                item.state = State.DONE
-                if not item.future.done():
-                    item.future.set_result(failure)
-        self._inflight -= 1
-        self._free_since[worker.name] = self._clock()
-        self._idle.append(worker)
-        self._wake()
+                self._fail(item, failure, None)
+        self._worker_free(worker)
 
     def _run_stream(self, worker: Worker, feed: Feed) -> BaseException | None:
         """On the worker thread: run the stream until it finishes; its failure, if any."""

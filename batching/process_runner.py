@@ -112,6 +112,12 @@ class ProcessRunner:
             return "lost", self._died()
         return self._receive(should_stop)
 
+    @property
+    def stream(self):
+        """`run_stream` when the child's runner streams, else None (as an adapter's
+        runner has or lacks a `stream`)."""
+        return self.run_stream if self.streams else None
+
     def run_stream(self, feed: Feed, take_limit: int = 1 << 16) -> None:
         """Relay a stream between the batcher's `feed` and the child (module docstring).
 

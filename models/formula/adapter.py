@@ -294,8 +294,7 @@ class FormulaRecognizer:
             else:
                 ids = self._decode_generate(device, batch, should_stop, max_new_tokens)
         elapsed = time.perf_counter() - started
-        special = set(self.tokenizer.all_special_ids)
-        per_row = [[t for t in row if t not in special] for row in ids]
+        per_row = [self._content(row) for row in ids]
         longest = max((len(r) for r in per_row), default=1) or 1
         return [FormulaTokens(row, elapsed / longest) for row in per_row]
 
@@ -372,50 +371,38 @@ class FormulaRecognizer:
         """Continuous batching on `decoder`: at every check (`CHECK_EVERY` steps) new
         requests join free rows, finished rows answer at once, rows whose clients went
         away are dropped."""
-        special = set(self.tokenizer.all_special_ids)
-        keys: dict[int, int] = {}  # slot -> the feed's key
-        joined: dict[int, float] = {}  # slot -> when it joined
+        rows: dict[int, tuple[int, float]] = {}  # slot -> (the feed's key, when it joined)
         try:
-            self._stream_loop(decoder, feed, special, keys, joined)
-        finally:  # a failed stream leaves no rows behind for the next one
-            decoder.release(list(keys))
-
-    def _stream_loop(self, decoder, feed, special: set, keys: dict, joined: dict) -> None:
-        with torch.inference_mode():
-            while True:
-                new = feed.take(decoder.free_slots)
-                if new:
-                    self._join(decoder, new, keys, joined, feed)
-                if not decoder.running:
-                    if feed.finish():
-                        return
-                    continue
-                with out_of_memory_as_batching_error():
-                    decoder.run()
-                    finished = decoder.harvest()
-                now = time.perf_counter()
-                answers: list[tuple[int, Any]] = []
-                for slot, row in finished.items():
-                    if slot not in keys:  # not this stream's (cannot happen; never answer twice)
+            with torch.inference_mode():
+                while True:
+                    new = feed.take(decoder.free_slots)
+                    if new:
+                        self._join(decoder, new, rows, feed)
+                    if not decoder.running:
+                        if feed.finish():
+                            return
                         continue
-                    tokens = [t for t in row if t not in special]
-                    answers.append(
-                        (
-                            keys.pop(slot),
-                            FormulaTokens(tokens, (now - joined.pop(slot)) / max(len(row) - 1, 1)),
-                        )
-                    )
-                gone = set(feed.cancelled(list(keys.values())))
-                if gone:
-                    slots = [slot for slot, key in keys.items() if key in gone]
-                    decoder.release(slots)
-                    for slot in slots:
-                        answers.append((keys.pop(slot), Cancelled("the client went away")))
-                        joined.pop(slot)
-                if answers:
-                    feed.done(answers)
+                    with out_of_memory_as_batching_error():
+                        decoder.run()
+                        finished = decoder.harvest()
+                    now = time.perf_counter()
+                    answers: list[tuple[int, Any]] = []
+                    for slot, row in finished.items():
+                        key, joined = rows.pop(slot)
+                        per_token = (now - joined) / max(len(row) - 1, 1)
+                        answers.append((key, FormulaTokens(self._content(row), per_token)))
+                    gone = set(feed.cancelled([key for key, _ in rows.values()]))
+                    if gone:
+                        slots = [slot for slot, (key, _) in rows.items() if key in gone]
+                        decoder.release(slots)
+                        for slot in slots:
+                            answers.append((rows.pop(slot)[0], Cancelled("the client went away")))
+                    if answers:
+                        feed.done(answers)
+        finally:  # a failed stream leaves no rows behind for the next one
+            decoder.release(list(rows))
 
-    def _join(self, decoder, new, keys: dict, joined: dict, feed) -> None:
+    def _join(self, decoder, new, rows: dict, feed) -> None:
         """Admit new requests into free rows; a request that cannot start fails alone."""
         batch = [payload for _, payload in new]
         try:
@@ -427,12 +414,19 @@ class FormulaRecognizer:
                 feed.done([(new[0][0], exc)])
                 return
             for one in new:  # find the one that fails; the others join
-                self._join(decoder, [one], keys, joined, feed)
+                self._join(decoder, [one], rows, feed)
             return
         now = time.perf_counter()
         for slot, i in zip(slots, order, strict=True):
-            keys[slot] = new[i][0]
-            joined[slot] = now
+            rows[slot] = (new[i][0], now)
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(self.tokenizer.all_special_ids)
+
+    def _content(self, row: list[int]) -> list[int]:
+        """A decoded row without its special tokens (start, end, padding)."""
+        return [t for t in row if t not in self._special_ids]
 
     def _decode_generate(self, device: str, batch, should_stop, max_new_tokens) -> list[list[int]]:
         output = self._models[device].generate(

@@ -336,11 +336,7 @@ class StaticGreedyDecoder:
         """
         if not self._live:
             return {}
-        rows = max(self._live) + 1
-        state = torch.cat(
-            [self.finished[:rows, None].long(), self.finished_at[:rows, None], self.output[:rows]],
-            dim=1,
-        ).tolist()
+        state = self._state(max(self._live) + 1)
         done = {}
         for slot in sorted(self._live):
             finished, end, *tokens = state[slot]
@@ -371,14 +367,20 @@ class StaticGreedyDecoder:
         """The smallest batch bucket holding `rows` rows."""
         return next(b for b in _batch_buckets(self.max_batch_size) if b >= rows)
 
+    def _state(self, rows: int) -> list[list[int]]:
+        """Slots 0..rows-1 on the host, each [finished, finished_at, *output]: one copy,
+        one synchronization."""
+        return torch.cat(
+            [self.finished[:rows, None].long(), self.finished_at[:rows, None], self.output[:rows]],
+            dim=1,
+        ).tolist()
+
     def _rows(self, slots: list[int], stopped_after: int) -> list[list[int]]:
         """Each slot's tokens so far: through its EOS (or limit), or `stopped_after` steps."""
-        state = torch.cat(
-            [self.finished[:, None].long(), self.finished_at[:, None], self.output], dim=1
-        )[torch.tensor(slots, device=self.device)].tolist()
+        state = self._state(max(slots) + 1)
         return [
             tokens[: end + 2] if finished else tokens[: stopped_after + 1]
-            for finished, end, *tokens in state
+            for finished, end, *tokens in (state[slot] for slot in slots)
         ]
 
     def _load_source(self, pixel_values: torch.Tensor, slots: list[int]) -> None:
