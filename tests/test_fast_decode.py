@@ -430,6 +430,33 @@ def test_rows_joining_a_running_decode_get_their_solo_tokens(tiny_model, variant
         assert got[i] == expected, f"row {i}:\njoined: {got[i]}\nalone:  {expected}"
 
 
+def test_a_snapshot_harvested_late_reports_each_row_once(tiny_model) -> None:
+    """A stream keeps one run ahead of its harvest: an older snapshot gives the rows
+    that had ended by then, never one harvested, released or refilled since."""
+    decoder = StaticGreedyDecoder(
+        tiny_model, max_batch_size=3, max_new_tokens=MAX_NEW_TOKENS, max_source_len=128
+    )
+    pixels = _pixels(3, 128, seed=5)
+    alone = [decoder.decode(pixels[i : i + 1])[0].tolist() for i in range(3)]
+    short = 8  # one run: a row with this limit has ended at the first snapshot
+    (a,) = decoder.admit(pixels[:1], max_new_tokens=short)
+    (b,) = decoder.admit(pixels[1:2])
+    decoder.run()
+    first = decoder.snapshot()
+    decoder.run()  # the run queued before the older snapshot is harvested
+    second = decoder.snapshot()
+    assert decoder.harvest(first) == {a: alone[0][: short + 1]}
+    assert decoder.harvest(first) == {}, "a harvested row is reported once"
+    (c,) = decoder.admit(pixels[2:3], max_new_tokens=short)
+    assert c == a, "the freed slot is refilled"
+    assert a not in decoder.harvest(second), "the refilled slot's old row is gone"
+    decoder.run()
+    third = decoder.snapshot()
+    decoder.release([b])
+    assert decoder.harvest(third) == {c: alone[2][: short + 1]}, "a released row is not"
+    assert decoder.running == 0
+
+
 def test_a_released_row_frees_its_slot_and_leaves_the_others_alone(tiny_model) -> None:
     decoder = StaticGreedyDecoder(
         tiny_model, max_batch_size=2, max_new_tokens=MAX_NEW_TOKENS, max_source_len=128
@@ -497,3 +524,53 @@ def test_a_failed_stream_leaves_every_slot_free(tiny_model_dir) -> None:
     with pytest.raises(RuntimeError, match="the pipe broke"):
         recognizer.runner(cpu).stream(FailingFeed())
     assert decoder.running == 0
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_stream_answers_each_request_with_its_solo_tokens(tiny_model_dir, ahead: bool) -> None:
+    """The served stream, harvesting each run at once (CPU) or one run behind (CUDA's
+    way, forced here): staggered arrivals, more than the rows, each answered once with
+    the tokens it gets alone."""
+    from models.formula.adapter import FormulaInput, FormulaRecognizer
+
+    cpu = torch.device("cpu")
+    recognizer = FormulaRecognizer(str(tiny_model_dir), [cpu], decoder="static")
+    recognizer.load()
+    recognizer.warmup(cpu, max_batch_size=3)
+    recognizer.stream_ahead = ahead
+    rng = np.random.default_rng(11)
+    height = recognizer.spec.height
+    inputs = [
+        FormulaInput(rng.integers(0, 256, (height, width), dtype=np.uint8), width)
+        for width in (64, 128, 64, 192, 64, 128, 64)
+    ]
+    alone = [recognizer.runner(cpu)([item], lambda: False)[0].token_ids for item in inputs]
+
+    class StaggeredFeed:
+        def __init__(self):
+            self.waiting = list(enumerate(inputs))
+            self.checks = 0
+            self.answers: dict[int, list[list[int]]] = {}
+
+        def take(self, limit):  # two arrivals at every other check
+            self.checks += 1
+            if self.checks % 2:
+                return []
+            taken = self.waiting[: min(limit, 2)]
+            self.waiting = self.waiting[len(taken) :]
+            return taken
+
+        def cancelled(self, keys):
+            return []
+
+        def done(self, results):
+            for key, tokens in results:
+                self.answers.setdefault(key, []).append(tokens.token_ids)
+
+        def finish(self):
+            return not self.waiting
+
+    feed = StaggeredFeed()
+    recognizer.runner(cpu).stream(feed)
+    assert feed.answers == {i: [tokens] for i, tokens in enumerate(alone)}
+    assert recognizer._decoders["cpu"].running == 0

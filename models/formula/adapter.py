@@ -79,6 +79,9 @@ class FormulaRecognizer:
     """Adapter for printed-formula recognition with a VisionEncoderDecoder model."""
 
     operation = "generate_content"
+    # Whether a stream queues the next run before harvesting the last (None: on CUDA,
+    # where the device runs asynchronously; on a CPU it only delays the harvest).
+    stream_ahead: bool | None = None
 
     def __init__(
         self,
@@ -114,8 +117,8 @@ class FormulaRecognizer:
         # whether each uses the static decoder there.
         self._remote: dict[str, bool] = {}
         self._tokenizer_lock = threading.Lock()
-        # Per CUDA device: pinned upload buffer, and the event after its last copies.
-        self._uploads: dict[str, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        # Per CUDA device: pinned upload buffers, used in turn.
+        self._uploads: dict[str, _PinnedBuffers] = {}
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -320,19 +323,16 @@ class FormulaRecognizer:
         pixels = normalize_pixels(host.to(model.device, non_blocking=True), self._spec)
         return pixels.to(model.dtype)
 
-    def _staging(self, decoder: StaticGreedyDecoder) -> torch.Tensor | None:
-        """The device's pinned upload buffer (CUDA only), free once the last batch's copies
-        are done: room for a full batch at the widest bucket."""
+    def _staging(self, decoder: StaticGreedyDecoder) -> _PinnedBuffers | None:
+        """The device's pinned upload buffers (CUDA only), each with room for a full batch
+        at the widest bucket."""
         if decoder.device.type != "cuda":
             return None
         key = str(decoder.device)
         if key not in self._uploads:
             size = decoder.max_batch_size * self._spec.height * self._spec.max_width
-            self._uploads[key] = (torch.empty(size, dtype=torch.uint8, pin_memory=True), None)
-        staging, copied = self._uploads[key]
-        if copied is not None:
-            copied.synchronize()
-        return staging
+            self._uploads[key] = _PinnedBuffers(size)
+        return self._uploads[key]
 
     def _upload(
         self, decoder: StaticGreedyDecoder, batch: list[FormulaInput]
@@ -344,15 +344,14 @@ class FormulaRecognizer:
         groups: dict[int, list[FormulaInput]] = {}
         for i in order:
             groups.setdefault(batch[i].bucket, []).append(batch[i])
-        staging = self._staging(decoder)
+        buffers = self._staging(decoder)
+        staging = None if buffers is None else buffers.acquire()
         pixels, used = [], 0
         for items in groups.values():
             pixels.append(self._pixels(items, device, None if staging is None else staging[used:]))
             used += pixels[-1][:, 0].numel()
-        if staging is not None:
-            copied = torch.cuda.Event()
-            copied.record()
-            self._uploads[device] = (staging, copied)
+        if buffers is not None:
+            buffers.queued()
         return pixels, order
 
     def _decode_static(
@@ -370,21 +369,34 @@ class FormulaRecognizer:
     def _stream(self, decoder: StaticGreedyDecoder, feed) -> None:
         """Continuous batching on `decoder`: at every check (`CHECK_EVERY` steps) new
         requests join free rows, finished rows answer at once, rows whose clients went
-        away are dropped."""
+        away are dropped.
+
+        On CUDA the host stays one run ahead: it queues run N+1 before it harvests run
+        N, so the device never waits while Python answers, uploads and relays (a
+        finished row answers one run later and keeps its slot that long).
+        """
         rows: dict[int, tuple[int, float]] = {}  # slot -> (the feed's key, when it joined)
+        ahead = decoder.device.type == "cuda" if self.stream_ahead is None else self.stream_ahead
+        pending = None  # the snapshot of the run before, not yet harvested
         try:
             with torch.inference_mode():
                 while True:
                     new = feed.take(decoder.free_slots)
                     if new:
                         self._join(decoder, new, rows, feed)
-                    if not decoder.running:
+                    if not decoder.running and pending is None:
                         if feed.finish():
                             return
                         continue
                     with out_of_memory_as_batching_error():
-                        decoder.run()
-                        finished = decoder.harvest()
+                        latest = None
+                        if decoder.running:
+                            decoder.run()
+                            latest = decoder.snapshot()
+                        if not ahead:
+                            pending, latest = latest, None
+                        finished = decoder.harvest(pending) if pending is not None else {}
+                        pending = latest
                     now = time.perf_counter()
                     answers: list[tuple[int, Any]] = []
                     for slot, row in finished.items():
@@ -437,6 +449,33 @@ class FormulaRecognizer:
             stopping_criteria=StoppingCriteriaList([_StopWhen(should_stop)]),
         )
         return output.tolist()
+
+
+class _PinnedBuffers:
+    """Pinned host buffers for uploads, used in turn: a buffer is written again only
+    once the copies queued from it are done, so an upload does not wait for the work
+    queued before it (the run the stream keeps ahead)."""
+
+    def __init__(self, size: int, count: int = 3) -> None:
+        self._buffers = [
+            torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(count)
+        ]
+        self._copied: list[torch.cuda.Event | None] = [None] * count
+        self._turn = 0
+
+    def acquire(self) -> torch.Tensor:
+        """The next buffer, once its last copies are done."""
+        copied = self._copied[self._turn]
+        if copied is not None:
+            copied.synchronize()
+        return self._buffers[self._turn]
+
+    def queued(self) -> None:
+        """The copies from the acquired buffer are queued: mark their end, move on."""
+        copied = torch.cuda.Event()
+        copied.record()
+        self._copied[self._turn] = copied
+        self._turn = (self._turn + 1) % len(self._buffers)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,15 @@ and frees their slots, and each row stops at its own token limit inside the
 step. A row's tokens depend only on its own image, whatever the other slots
 hold. `decode()` is one batch admitted at once and run to its end.
 
+The host need not wait for the device between runs either. `snapshot()` queues a
+copy of every row's state into pinned host memory behind the run; a stream
+queues the next run first and only then `harvest(snapshot)`s the previous one,
+so the device works through run N+1 while Python answers the rows that ended in
+run N and uploads the next arrivals. Nothing on that path synchronizes: index
+tensors travel through pinned memory, and a snapshot remembers which row each
+slot held (`_epoch`), so a slot harvested, released or refilled since is not
+reported twice.
+
 The encoder gets the same treatment on CUDA. A served batch holds several width
 buckets, each encoded alone, so eager encoding met a new (rows, width) shape on
 almost every batch, and each new shape cost far more host time than the GPU work
@@ -50,7 +59,9 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -221,6 +232,18 @@ class StaticGreedyDecoder:
         self._live: set[int] = set()
         self._slot_source = [0] * batch
         self._slot_steps = [0] * batch
+        # Bumped when a slot takes a new row: a snapshot names the rows it saw by it.
+        self._epoch = [0] * batch
+        # Snapshots: [finished, finished_at, *output] per slot, gathered on the device
+        # and copied into host buffers used in turn (pinned on CUDA, so the copy is
+        # asynchronous), at most `len(self._host_states) - 1` awaiting harvest.
+        self._device_state = torch.empty((batch, cache_len + 2), device=device, dtype=torch.long)
+        pinned = device.type == "cuda"
+        self._host_states = [
+            torch.empty((batch, cache_len + 2), dtype=torch.long, pin_memory=pinned)
+            for _ in range(3)
+        ]
+        self._host_turn = 0
 
     # -- public --------------------------------------------------------------
 
@@ -262,7 +285,7 @@ class StaticGreedyDecoder:
             raise RuntimeError("decode() needs every slot free")
         slots = self.admit(pixel_values, max_new_tokens=max_new_tokens)
         try:
-            index = torch.tensor(slots, device=self.device)
+            index = self._index(slots)
             limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
             steps = 0
             while steps < limit:
@@ -304,7 +327,7 @@ class StaticGreedyDecoder:
             group_slots = slots[first : first + group.shape[0]]
             self._load_source(group.to(self.device, self.dtype), group_slots)
             first += group.shape[0]
-        index = torch.tensor(slots, device=self.device)
+        index = self._index(slots)
         self.positions[index] = 0
         self.limits[index] = limit
         self.tokens[index] = self.start_id
@@ -313,6 +336,7 @@ class StaticGreedyDecoder:
         self.output[index, 0] = self.start_id
         for slot in slots:
             self._slot_steps[slot] = 0
+            self._epoch[slot] += 1
         self._live.update(slots)
         return slots
 
@@ -329,19 +353,45 @@ class StaticGreedyDecoder:
             run()
 
     @torch.inference_mode()
-    def harvest(self) -> dict[int, list[int]]:
-        """The rows that have finished, {slot: tokens, start token first}; frees their slots.
+    def snapshot(self) -> Snapshot:
+        """Queue a copy of every running row's state, as of the work queued so far.
 
-        One host synchronization.
+        On CUDA the copy is asynchronous (pinned memory and an event); `harvest()` waits
+        for it. At most two snapshots may await harvest at a time.
         """
-        if not self._live:
-            return {}
-        state = self._state(max(self._live) + 1)
+        rows = max(self._live, default=-1) + 1
+        host = self._host_states[self._host_turn]
+        self._host_turn = (self._host_turn + 1) % len(self._host_states)
+        ready = None
+        if rows:
+            state = self._device_state[:rows]
+            columns = [self.finished[:rows, None].long(), self.finished_at[:rows, None]]
+            torch.cat([*columns, self.output[:rows]], dim=1, out=state)
+            host[:rows].copy_(state, non_blocking=host.is_pinned())
+            if host.is_pinned():
+                ready = torch.cuda.Event()
+                ready.record()
+        return Snapshot(host[:rows], ready, {slot: self._epoch[slot] for slot in self._live})
+
+    @torch.inference_mode()
+    def harvest(self, snapshot: Snapshot | None = None) -> dict[int, list[int]]:
+        """The rows that had finished by `snapshot` (default: now), {slot: tokens, start
+        token first}; frees their slots.
+
+        A row harvested or released since the snapshot, or a slot refilled since, is
+        not reported. Waits for the snapshot's copy, not for later work.
+        """
+        if snapshot is None:
+            snapshot = self.snapshot()
+        if snapshot.ready is not None:
+            snapshot.ready.synchronize()
+        state = snapshot.state.numpy()
         done = {}
-        for slot in sorted(self._live):
-            finished, end, *tokens = state[slot]
-            if finished:
-                done[slot] = tokens[: end + 2]
+        for slot in np.flatnonzero(state[:, 0]).tolist():
+            epoch = snapshot.rows.get(slot)
+            if epoch is not None and epoch == self._epoch[slot] and slot in self._live:
+                end = int(state[slot, 1])
+                done[slot] = state[slot, 2 : end + 4].tolist()
         self._live.difference_update(done)
         return done
 
@@ -349,7 +399,7 @@ class StaticGreedyDecoder:
         """Free slots whose rows are no longer wanted (their clients went away)."""
         slots = [slot for slot in slots if slot in self._live]
         if slots:
-            self.finished[torch.tensor(slots, device=self.device)] = True
+            self.finished[self._index(slots)] = True
             self._live.difference_update(slots)
 
     @property
@@ -367,17 +417,20 @@ class StaticGreedyDecoder:
         """The smallest batch bucket holding `rows` rows."""
         return next(b for b in _batch_buckets(self.max_batch_size) if b >= rows)
 
-    def _state(self, rows: int) -> list[list[int]]:
-        """Slots 0..rows-1 on the host, each [finished, finished_at, *output]: one copy,
-        one synchronization."""
-        return torch.cat(
-            [self.finished[:rows, None].long(), self.finished_at[:rows, None], self.output[:rows]],
-            dim=1,
-        ).tolist()
+    def _index(self, slots: list[int]) -> torch.Tensor:
+        """`slots` as an index tensor on the device, without waiting for queued work (a
+        plain `torch.tensor(..., device=cuda)` copy synchronizes)."""
+        index = torch.tensor(slots, dtype=torch.long)
+        if self.device.type != "cuda":
+            return index
+        return index.pin_memory().to(self.device, non_blocking=True)
 
     def _rows(self, slots: list[int], stopped_after: int) -> list[list[int]]:
         """Each slot's tokens so far: through its EOS (or limit), or `stopped_after` steps."""
-        state = self._state(max(slots) + 1)
+        snapshot = self.snapshot()
+        if snapshot.ready is not None:
+            snapshot.ready.synchronize()
+        state = snapshot.state.tolist()
         return [
             tokens[: end + 2] if finished else tokens[: stopped_after + 1]
             for finished, end, *tokens in (state[slot] for slot in slots)
@@ -402,7 +455,7 @@ class StaticGreedyDecoder:
         if slots == list(range(first, first + count)):  # contiguous: views, no index tensors
             rows: slice | torch.Tensor = slice(first, first + count)
         else:
-            rows = torch.tensor(slots, device=self.device)
+            rows = self._index(slots)
         self.cross_k[:, rows, :, :source_len] = kv[0, :, :count]
         self.cross_v[:, rows, :, :source_len] = kv[1, :, :count]
         self.source_mask[rows] = self.neg
@@ -632,6 +685,15 @@ def _capture_graph(
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             run()
     return graph
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every running row's state at one point of the device's queue (see `snapshot()`)."""
+
+    state: torch.Tensor  # host [rows, 2 + cache], per slot [finished, finished_at, *output]
+    ready: torch.cuda.Event | None  # recorded after the copy (CUDA); None: already there
+    rows: dict[int, int]  # slot -> the epoch of the row it held
 
 
 class _EncoderGraph:
