@@ -327,13 +327,15 @@ class StaticGreedyDecoder:
             group_slots = slots[first : first + group.shape[0]]
             self._load_source(group.to(self.device, self.dtype), group_slots)
             first += group.shape[0]
+        # index_fill_, not `t[index] = scalar`: on CUDA that copies the scalar from the
+        # host and waits for every queued run first.
         index = self._index(slots)
-        self.positions[index] = 0
-        self.limits[index] = limit
-        self.tokens[index] = self.start_id
-        self.finished[index] = False
-        self.output[index] = self.pad_id
-        self.output[index, 0] = self.start_id
+        self.positions.index_fill_(0, index, 0)
+        self.limits.index_fill_(0, index, limit)
+        self.tokens.index_fill_(0, index, self.start_id)
+        self.finished.index_fill_(0, index, False)
+        self.output.index_fill_(0, index, self.pad_id)
+        self.output[:, 0].index_fill_(0, index, self.start_id)
         for slot in slots:
             self._slot_steps[slot] = 0
             self._epoch[slot] += 1
@@ -399,7 +401,7 @@ class StaticGreedyDecoder:
         """Free slots whose rows are no longer wanted (their clients went away)."""
         slots = [slot for slot in slots if slot in self._live]
         if slots:
-            self.finished[self._index(slots)] = True
+            self.finished.index_fill_(0, self._index(slots), True)
             self._live.difference_update(slots)
 
     @property
@@ -451,15 +453,11 @@ class StaticGreedyDecoder:
         source_len = kv.shape[-2]
         if source_len > self.max_source_len:
             raise ValueError(f"source length {source_len} exceeds {self.max_source_len}")
-        first = slots[0]
-        if slots == list(range(first, first + count)):  # contiguous: views, no index tensors
-            rows: slice | torch.Tensor = slice(first, first + count)
-        else:
-            rows = self._index(slots)
-        self.cross_k[:, rows, :, :source_len] = kv[0, :, :count]
-        self.cross_v[:, rows, :, :source_len] = kv[1, :, :count]
-        self.source_mask[rows] = self.neg
-        self.source_mask[rows, ..., :source_len] = 0
+        rows = self._index(slots)
+        self.cross_k[..., :source_len, :].index_copy_(1, rows, kv[0, :, :count])
+        self.cross_v[..., :source_len, :].index_copy_(1, rows, kv[1, :, :count])
+        self.source_mask.index_fill_(0, rows, self.neg)
+        self.source_mask[..., :source_len].index_fill_(0, rows, 0)
         for slot in slots:
             self._slot_source[slot] = source_len
 

@@ -1,0 +1,180 @@
+"""Continuous batching without a server: the stream's own ceiling, and where its host time goes.
+
+    python -m bench.stream_probe --data ../shared/data --concurrency 128 --duration 10
+
+Loads the formula model on the default device as the server does (`FormulaRecognizer`,
+warmed up for `--max-batch-size` rows), preprocesses the benchmark images once, then keeps
+`--concurrency` requests in the adapter's stream for `--duration` seconds: a closed loop
+with no HTTP, where each answer lets the next image in. Prints formulas/s, the mean rows
+decoding together, and the host time per check in each phase (join: upload and admit;
+run; snapshot; harvest, which includes waiting for the device).
+
+`--sync-check` then repeats a short run under `torch.cuda.set_sync_debug_mode("warn")`
+and prints every source line that made the host wait for the device, with counts; only
+the harvest's wait for its snapshot should appear.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+
+from bench.common import append_records, commit, formula_images
+from bench.compare import gpu_name
+from bench.server import ROOT
+from models.devices import resolve_devices
+from models.formula.adapter import FormulaRecognizer
+
+
+class ClosedLoop:
+    """A stream `Feed` without a server: `concurrency` requests in flight until `deadline`."""
+
+    def __init__(self, items: list, concurrency: int, deadline: float) -> None:
+        self.items = items
+        self.concurrency = concurrency
+        self.deadline = deadline
+        self.outstanding = 0
+        self.sent = 0
+        self.answered = 0
+
+    def take(self, limit: int) -> list:
+        if time.perf_counter() >= self.deadline:
+            return []
+        count = min(limit, self.concurrency - self.outstanding)
+        keys = range(self.sent, self.sent + count)
+        taken = [(key, self.items[key % len(self.items)]) for key in keys]
+        self.sent += count
+        self.outstanding += count
+        return taken
+
+    def cancelled(self, keys: list[int]) -> list[int]:
+        return []
+
+    def done(self, results: list) -> None:
+        self.outstanding -= len(results)
+        self.answered += len(results)
+
+    def finish(self) -> bool:
+        return time.perf_counter() >= self.deadline
+
+
+def timed(phases: defaultdict, name: str, function):
+    """`function`, adding its wall time to `phases[name]`."""
+
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            phases[name] += time.perf_counter() - started
+
+    return wrapper
+
+
+def probe(recognizer: FormulaRecognizer, device, items: list, concurrency: int, duration: float):
+    """One closed-loop run: formulas/s, mean rows, host seconds per check by phase."""
+    decoder = recognizer._decoders[str(device)]
+    phases: defaultdict[str, float] = defaultdict(float)
+    rows: list[int] = []
+    run = decoder.run
+
+    def counted_run():
+        rows.append(decoder.running)
+        run()
+
+    patched = {
+        "run": timed(phases, "run", counted_run),
+        "snapshot": timed(phases, "snapshot", decoder.snapshot),
+        "harvest": timed(phases, "harvest", decoder.harvest),
+    }
+    for name, function in patched.items():
+        setattr(decoder, name, function)
+    join = recognizer._join
+    recognizer._join = timed(phases, "join", join)
+    try:
+        feed = ClosedLoop(items, concurrency, time.perf_counter() + duration)
+        started = time.perf_counter()
+        recognizer.runner(device).stream(feed)
+        elapsed = time.perf_counter() - started
+    finally:
+        for name in patched:
+            delattr(decoder, name)
+        del recognizer._join
+    checks = max(len(rows), 1)
+    return {
+        "throughput_rps": round(feed.answered / elapsed, 2),
+        "answered": feed.answered,
+        "mean_rows": round(sum(rows) / checks, 1),
+        "checks": len(rows),
+        "check_ms": round(1000 * elapsed / checks, 3),
+        "host_ms_per_check": {k: round(1000 * v / checks, 3) for k, v in sorted(phases.items())},
+    }
+
+
+def sync_sites(recognizer, device, items: list, concurrency: int, duration: float) -> dict:
+    """Source lines that synchronized with the device during a short run, with counts."""
+    sites: Counter[str] = Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            probe(recognizer, device, items, concurrency, duration)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for warning in caught:
+        if "synchroniz" in str(warning.message):
+            sites[f"{Path(warning.filename).name}:{warning.lineno}"] += 1
+    return dict(sites.most_common())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--model", default=str(ROOT / "models" / "formula" / "default"))
+    parser.add_argument("--images", type=int, default=500)
+    parser.add_argument("--concurrency", default="128", help="comma-separated levels")
+    parser.add_argument("--max-batch-size", type=int, default=128)
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--sync-check", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    device = resolve_devices(args.device)[0]
+    recognizer = FormulaRecognizer(args.model, [device], continuous=True)
+    recognizer.load()
+    recognizer.warmup(device, args.max_batch_size)
+    if recognizer.runner(device).stream is None:
+        sys.exit("this device and model do not stream (static decoder needed)")
+    items = [recognizer.preprocess(image) for image in formula_images(args.data, args.images)]
+    base = {
+        "scenario": "formula",
+        "server": "stream-only",
+        "gpu": gpu_name(),
+        "device": str(device),
+        "commit": commit(),
+        "command": "python -m bench.stream_probe " + " ".join(sys.argv[1:]),
+    }
+    probe(recognizer, device, items, args.max_batch_size, 2.0)  # warm-up
+    records = []
+    for level in (int(c) for c in args.concurrency.split(",")):
+        record = {**base, "concurrency": level}
+        record.update(probe(recognizer, device, items, level, args.duration))
+        print(json.dumps(record), flush=True)
+        records.append(record)
+    if args.sync_check and device.type == "cuda":
+        level = int(args.concurrency.split(",")[0])
+        print(json.dumps({"sync_sites": sync_sites(recognizer, device, items, level, 3.0)}))
+    if args.out:
+        append_records(records, args.out)
+
+
+if __name__ == "__main__":
+    main()
