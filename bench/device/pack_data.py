@@ -16,17 +16,9 @@ import tarfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from PIL import Image
+from models.formula.data import quantized_png
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def quantized_png(path: Path) -> bytes:
-    gray = Image.open(path).convert("L").point(lambda v: min(255, round(v / 17) * 17))
-    image = gray.quantize(colors=16, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG", bits=4, optimize=True)
-    return buffer.getvalue()
 
 
 def add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:

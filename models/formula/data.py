@@ -9,11 +9,13 @@ the server's `pad_and_normalize` to `bucket_width`.
 from __future__ import annotations
 
 import hashlib
+import io
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from models.formula.preprocess import (
     FormulaImageSpec,
@@ -70,6 +72,18 @@ def load_strips(
 ) -> list[np.ndarray]:
     images = Path(data_dir) / "images"
     return [load_strip(images / s.name, spec) for s in samples]
+
+
+def quantized_png(image: Image.Image | str | Path) -> bytes:
+    """A 16-gray-level, 4-bit PNG of an image: how formula images travel to a device
+    (about a fifth of the bytes, with no visible change to a formula)."""
+    if not isinstance(image, Image.Image):
+        image = Image.open(image)
+    gray = image.convert("L").point(lambda v: min(255, round(v / 17) * 17))
+    paletted = gray.quantize(colors=16, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    buffer = io.BytesIO()
+    paletted.save(buffer, format="PNG", bits=4, optimize=True)
+    return buffer.getvalue()
 
 
 def width_batches(widths: Sequence[int], batch_size: int) -> Iterator[list[int]]:

@@ -7,8 +7,9 @@ native-resolution mode (2-D sin-cos positions computed for each input size, so
 any width works and right padding leaves the content's positions unchanged)
 and a TrOCR decoder over a word-level im2latex vocabulary. Training mixes the
 real images of the train split with formulas rendered on the fly by
-`models.formula.synth` in a pool of worker processes; every batch is padded
-like a server batch. At the end the dev split is decoded greedily and scored,
+`models.formula.synth` in a pool of worker processes and, with `--rendered`, a
+set drawn beforehand by real LaTeX (`models.formula.latex_render`); every batch
+is padded like a server batch. At the end the dev split is decoded greedily and scored,
 and the model is saved (fp16 safetensors, tokenizer, preprocessor and
 generation configs).
 """
@@ -24,6 +25,7 @@ import random
 import threading
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -32,9 +34,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from models.formula import synth
-from models.formula.data import load_strips, read_formulas, split_samples
+from models.formula.data import MAX_PIXELS, load_strips, read_formulas, split_samples
 from models.formula.evaluate import markdown_table, recognize, score
-from models.formula.preprocess import FormulaImageSpec
+from models.formula.latex_render import read_rendered
+from models.formula.preprocess import FormulaImageSpec, decode_image, prepare_strip
 from models.formula.tokenizer import (
     build_tokenizer,
     build_vocabulary,
@@ -175,6 +178,37 @@ class SyntheticStream:
         self._pool.terminate()
 
 
+def _rendered_strip(spec: FormulaImageSpec, png: bytes) -> np.ndarray:
+    return prepare_strip(decode_image(png, MAX_PIXELS), spec)
+
+
+def load_rendered(
+    path: str, spec: FormulaImageSpec, tokenizer, workers: int
+) -> list[tuple[np.ndarray, list[int]]]:
+    """A pre-rendered LaTeX set as (strip, token ids), strips made like the real ones'.
+
+    Formulas with a token outside the vocabulary, or too long, are skipped and counted.
+    """
+    rows = read_rendered(path)
+    kept, out_of_vocab, too_long = [], 0, 0
+    for png, formula in rows:
+        ids = encode_formula(tokenizer, formula, MAX_TOKENS)
+        if not ids:
+            too_long += 1
+        elif tokenizer.unk_token_id in ids:
+            out_of_vocab += 1
+        else:
+            kept.append((png, ids))
+    with mp.get_context("fork").Pool(max(1, workers)) as pool:
+        strips = pool.map(partial(_rendered_strip, spec), [png for png, _ in kept], chunksize=256)
+    print(
+        f"rendered set {path}: {len(kept)} of {len(rows)} images; skipped {out_of_vocab} "
+        f"(tokens outside the vocabulary), {too_long} (over {MAX_TOKENS - 1} tokens)",
+        flush=True,
+    )
+    return [(strip, ids) for strip, (_, ids) in zip(strips, kept, strict=True)]
+
+
 def make_batch(
     items: Sequence[tuple[np.ndarray, list[int]]], spec: FormulaImageSpec, extra_pad: int
 ):
@@ -276,6 +310,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--real-fraction", type=float, default=0.25, help="share of each batch from real images"
     )
     parser.add_argument(
+        "--rendered",
+        default="",
+        help="a pre-rendered LaTeX set to mix in (folder or .tar.xz from latex_render)",
+    )
+    parser.add_argument(
+        "--rendered-fraction",
+        type=float,
+        default=0.3,
+        help="with --rendered: share of each batch from that set",
+    )
+    parser.add_argument(
         "--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2), help="render processes"
     )
     parser.add_argument("--pool-capacity", type=int, default=400_000)
@@ -298,6 +343,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--log", default="", help="JSON-lines log of losses and dev scores")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
+    rendered_fraction = args.rendered_fraction if args.rendered else 0.0
+    if args.real_fraction + rendered_fraction > 1:
+        parser.error("--real-fraction plus --rendered-fraction is over 1")
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -337,6 +385,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for strip, s in zip(load_strips(args.data, train, spec), train, strict=True)
         if (ids := encode_formula(tokenizer, s.formula, MAX_TOKENS))
     ]
+    rendered = load_rendered(args.rendered, spec, tokenizer, args.workers) if args.rendered else []
     dev_strips = load_strips(args.data, dev, spec)
     dev_refs = [s.formula for s in dev]
     print(f"real strips loaded in {time.perf_counter() - started:.0f} s", flush=True)
@@ -367,6 +416,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "parameters": params,
             "train": len(train),
             "dev": len(dev),
+            "rendered": len(rendered),
         }
     )
 
@@ -387,9 +437,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     while (position := schedule_position()) < 1.0:
         if not pending:
             total = group * args.batch_size
-            synthetic = stream.sample(rng, total - int(total * args.real_fraction))
-            n_real = total - len(synthetic)
+            n_rendered = int(total * rendered_fraction)
+            synthetic = stream.sample(rng, total - int(total * args.real_fraction) - n_rendered)
+            n_real = total - len(synthetic) - n_rendered
             items = [real[i] for i in rng.integers(len(real), size=n_real)] + synthetic
+            if n_rendered:
+                items += [rendered[i] for i in rng.integers(len(rendered), size=n_rendered)]
             items.sort(key=lambda item: item[0].shape[1])
             pending = [items[i : i + args.batch_size] for i in range(0, total, args.batch_size)]
             rng.shuffle(pending)
