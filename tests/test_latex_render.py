@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from models.formula import latex_render
-from models.formula.data import FormulaSample, is_dev
+from models.formula.data import FormulaSample, is_dev, quantized_png
 
 needs_latex = pytest.mark.skipif(
     shutil.which("latex") is None or shutil.which("dvipng") is None,
@@ -91,5 +91,130 @@ def test_render_set_writes_images_and_formulas_deterministically(tmp_path):
     assert len(rows) == 12
     with Image.open(tmp_path / "a" / "images" / "0000000.png") as image:
         assert image.mode == "P" and len(image.getcolors()) <= 16
+    assert len(latex_render.read_origins(tmp_path / "a")) == 12
     latex_render.pack(tmp_path / "a", tmp_path / "a.tar.xz")
-    assert latex_render.read_rendered(tmp_path / "a.tar.xz") == rows
+    assert_same_rows(latex_render.read_rendered(tmp_path / "a.tar.xz"), rows)
+
+
+@needs_latex
+def test_appended_images_are_named_after_the_set_and_keep_it(tmp_path):
+    samples = [FormulaSample(f"{i}.png", f) for i, f in enumerate(GOOD * 10)]
+    data = write_data(tmp_path / "data", samples)
+    latex_render.render_set(data, tmp_path / "a", count=4, seed=3, workers=1, chunk=8)
+    before = (tmp_path / "a" / "formulas.tsv").read_text()
+    latex_render.render_set(
+        data, tmp_path / "a", count=3, seed=4, workers=1, chunk=8, train_share=0, append=True
+    )
+    after = (tmp_path / "a" / "formulas.tsv").read_text()
+    assert after.startswith(before)
+    names = [line.split("\t")[0] for line in after.splitlines()]
+    assert names == [f"{i:07d}.png" for i in range(7)]
+    assert list(latex_render.read_origins(tmp_path / "a")) == names
+
+
+def assert_same_rows(rows, expected):
+    assert [formula for _, formula in rows] == [formula for _, formula in expected]
+    for (gray, _), (want, _) in zip(rows, expected, strict=True):
+        assert gray.dtype == want.dtype and gray.flags.c_contiguous and np.array_equal(gray, want)
+
+
+def write_set(folder: Path, origins: list[str], seed: int = 0) -> Path:
+    """A set folder as render_set writes it, with noisy quantized images of a few shapes
+    (no LaTeX needed): image i's formula is `x _ { i }`."""
+    rng = np.random.default_rng(seed)
+    (folder / "images").mkdir(parents=True)
+    formulas, origin_lines = [], []
+    for i, origin in enumerate(origins):
+        height, width = [(50, 120), (40, 160), (50, 200)][i % 3]
+        pixels = np.full((height, width), 255, dtype=np.uint8)
+        pixels[8:24, 8 : 8 + width // 2] = rng.integers(0, 16, (16, width // 2)) * 17
+        name = f"{i:07d}.png"
+        (folder / "images" / name).write_bytes(quantized_png(Image.fromarray(pixels)))
+        formulas.append(f"{name}\tx _ {{ {i} }}\n")
+        origin_lines.append(f"{name}\t{origin}\n")
+    (folder / "formulas.tsv").write_text("".join(formulas))
+    (folder / latex_render.ORIGINS).write_text("".join(origin_lines))
+    return folder
+
+
+def test_a_levels_archive_reads_back_like_the_pngs(tmp_path):
+    folder = write_set(tmp_path / "set", [latex_render.COMPOSED] * 12)
+    assert latex_render.pack(folder, tmp_path / "rs.lvl.xz") == 12
+    latex_render.pack(folder, tmp_path / "rs.tar.xz")
+    expected = latex_render.read_rendered(folder)
+    assert [gray.shape for gray, _ in expected[:3]] == [(50, 120), (40, 160), (50, 200)]
+    assert_same_rows(latex_render.read_rendered(tmp_path / "rs.lvl.xz"), expected)
+    assert_same_rows(latex_render.read_rendered(tmp_path / "rs.tar.xz"), expected)
+
+
+def test_a_levels_archive_of_several_blocks_reads_back_in_set_order(tmp_path, monkeypatch):
+    # Each block's pixels are stored by shape; the reader puts the images back in order.
+    monkeypatch.setattr(latex_render, "LEVEL_BLOCK", 5)
+    folder = write_set(tmp_path / "set", [latex_render.COMPOSED] * 12)
+    assert latex_render.pack(folder, tmp_path / "rs.lvl.xz") == 12
+    expected = latex_render.read_rendered(folder)
+    assert_same_rows(latex_render.read_rendered(tmp_path / "rs.lvl.xz"), expected)
+
+
+def test_a_levels_archive_is_smaller_than_the_tar_of_pngs(tmp_path):
+    folder = write_set(tmp_path / "set", [latex_render.COMPOSED] * 12)
+    latex_render.pack(folder, tmp_path / "rs.lvl.xz")
+    latex_render.pack(folder, tmp_path / "rs.tar.xz")
+    assert (tmp_path / "rs.lvl.xz").stat().st_size < (tmp_path / "rs.tar.xz").stat().st_size
+
+
+@pytest.mark.parametrize("suffix", [".lvl.xz", ".tar.xz"])
+def test_a_size_cap_cuts_images_from_the_end_until_the_archive_fits(tmp_path, suffix):
+    folder = write_set(tmp_path / "set", [latex_render.COMPOSED] * 30)
+    whole = latex_render.pack(folder, tmp_path / f"whole{suffix}")
+    cap = (tmp_path / f"whole{suffix}").stat().st_size * 2 // 3
+    packed = latex_render.pack(folder, tmp_path / f"rs{suffix}", max_bytes=cap)
+    assert 0 < packed < whole
+    assert (tmp_path / f"rs{suffix}").stat().st_size <= cap
+    rows = latex_render.read_rendered(tmp_path / f"rs{suffix}")
+    assert_same_rows(rows, latex_render.read_rendered(folder)[:packed])
+
+
+def test_every_prefix_of_the_pack_order_keeps_the_verbatim_share():
+    origins = [latex_render.VERBATIM] * 10 + [latex_render.COMPOSED] * 20
+    order = latex_render.pack_order(origins, 0.25)
+    assert sorted(order) == sorted(set(order))
+    # 20 compositions allow 6 verbatim formulas (6 of 26); the other 4 are left out.
+    assert len(order) == 26
+    verbatim = np.cumsum([origins[i] == latex_render.VERBATIM for i in order])
+    assert all(v <= 0.25 * n for n, v in enumerate(verbatim, start=1))
+    # Each kind keeps its set order.
+    assert [i for i in order if i < 10] == list(range(6))
+    assert [i for i in order if i >= 10] == list(range(10, 30))
+
+
+def test_a_verbatim_share_of_one_packs_the_set_as_rendered():
+    origins = [latex_render.VERBATIM, latex_render.COMPOSED] * 3
+    assert latex_render.pack_order(origins, 1.0) == list(range(6))
+
+
+def test_pack_keeps_the_verbatim_share_under_a_size_cap(tmp_path):
+    origins = [latex_render.VERBATIM] * 15 + [latex_render.COMPOSED] * 15
+    folder = write_set(tmp_path / "set", origins)
+    latex_render.pack(folder, tmp_path / "whole.lvl.xz")
+    cap = (tmp_path / "whole.lvl.xz").stat().st_size // 2
+    packed = latex_render.pack(folder, tmp_path / "rs.lvl.xz", max_bytes=cap, verbatim_share=0.2)
+    formulas = [f for _, f in latex_render.read_rendered(tmp_path / "rs.lvl.xz")]
+    verbatim = [f for f in formulas if int(f.split()[3]) < 15]
+    assert len(formulas) == packed and 0 < len(verbatim) <= 0.2 * packed
+
+
+def test_origins_of_an_older_set_are_recovered_from_the_train_split(tmp_path):
+    folder = write_set(tmp_path / "set", [latex_render.COMPOSED] * 4)
+    (folder / latex_render.ORIGINS).unlink()
+    # The set's formula `x _ { 1 }` is a train formula; the others are not.
+    train_name = next(f"{i}.png" for i in range(100) if not is_dev(f"{i}.png"))
+    data = write_data(tmp_path / "data", [FormulaSample(train_name, "x _ { 1 }")])
+    latex_render.recover_origins(folder, data)
+    origins = latex_render.read_origins(folder)
+    assert list(origins.values()) == [
+        latex_render.COMPOSED,
+        latex_render.VERBATIM,
+        latex_render.COMPOSED,
+        latex_render.COMPOSED,
+    ]

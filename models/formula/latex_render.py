@@ -1,7 +1,8 @@
 """A pre-rendered synthetic formula set, drawn by real LaTeX the way im2latex was made.
 
-    python -m models.formula.latex_render --data ../shared/data/im2latex-val --out .rs \\
-        --count 30000 --seed 0 --workers 2 --pack .rs/rs.tar.xz
+    python -m models.formula.latex_render --data ../shared/data/im2latex-val --out .rs/set \\
+        --count 30000 --seed 0 --workers 2 --pack .rs/rs.lvl.xz --pack-max-mb 26 \\
+        --verbatim-share 0.15
 
 The im2latex images were rendered by pdflatex in Computer Modern, then cropped to
 the ink, padded by 8 px, placed top-left in a fixed-size bucket and downsampled by
@@ -15,8 +16,11 @@ skipped rather than saved with a garbled picture. Unlike matplotlib's mathtext
 The formulas are train-split formulas and new ones composed from them by
 `synth.FormulaComposer`; no dev formula is ever written. The set is a folder
 `images/*.png` (16-gray-level PNGs, like the carried real images) plus
-`formulas.tsv` (`name<TAB>formula`, normalized: what the model should output),
-deterministic from the seed, and packs into one `.tar.xz` for a device run.
+`formulas.tsv` (`name<TAB>formula`, normalized: what the model should output) and
+`origins.tsv` (`name<TAB>train|composed`), deterministic from the seed; `--append`
+adds to it. For a device run it packs into one archive: a `.lvl.xz` (gray levels
+compressed across images, about a quarter of the PNGs' bytes) or a `.tar.xz` of the
+PNGs, optionally cut to a size and to a share of verbatim train formulas.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import subprocess
 import tarfile
 import tempfile
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -87,6 +92,30 @@ MAX_COMPILES = 4
 CHUNK = 200
 MAX_TOKENS = 200  # the training script's longest target
 COMPOSE_TRIES = 4
+
+# A set's origins.tsv says, per image, whether its formula is a verbatim train formula.
+ORIGINS = "origins.tsv"
+VERBATIM, COMPOSED = "train", "composed"
+
+# The compact archive (`_write_levels`): gray levels, one byte a pixel, column by column,
+# in one xz stream. A formula is a row of glyphs; read column by column, a glyph is one
+# run of bytes that recurs wherever it does (in any image within xz's 64 MiB window),
+# where row by row it is cut into slices between other glyphs'. Images of one shape come
+# together, and xz's extreme preset searches longer. Measured on 3,000 images of a set:
+# PNGs in a .tar.xz 1,200 bytes each, rows 772, columns 474, columns with the extreme
+# preset 410, and also by shape 385; on 12,000 images the last, 289. A 26 MB archive of
+# 85,614 images (blocks of 16,384): 303 bytes an image, packed in 21 minutes on one core.
+LEVELS_SUFFIX = ".lvl.xz"
+LEVELS_MAGIC = b"TEXEL-LEVELS 1\n"
+LEVEL_STEP = 17  # gray = level x 17: quantized_png's 16 levels
+# Pixels come by shape within blocks of the pack order rather than over the whole set,
+# so that a size cap can end the single pass in a block: blocks shrink as the cap nears.
+LEVEL_BLOCK = 16384
+LEVEL_MIN_BLOCK = 64
+# Compressed bytes that xz may hold back at any moment (an LZMA2 chunk is at most 64 KiB),
+# kept free under a cap (at most 1% of it: a small archive is retried instead).
+LEVEL_LAG = 96 * 1024
+LEVEL_FILTERS = [{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME, "pb": 0}]
 
 
 @dataclass(frozen=True)
@@ -328,11 +357,23 @@ def render_set(
     workers: int,
     chunk: int = CHUNK,
     max_minutes: float = 0,
+    train_share: float = 0.3,
+    append: bool = False,
 ) -> dict[str, int]:
-    """Write `count` images (fewer if `max_minutes` runs out) and formulas.tsv to `out_dir`."""
+    """Write `count` images (fewer if `max_minutes` runs out), formulas.tsv and origins.tsv
+    to `out_dir`; `train_share` of the draws are verbatim train formulas.
+
+    With `append`, the images join the set already there, named after its last one (give
+    a seed the set was not made with, or its formulas come again).
+    """
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
-    source = FormulaSource(data_dir)
+    first = 0
+    if append and (out / "formulas.tsv").exists():
+        recover_origins(out, data_dir)
+        names = [name for name, _ in _set_rows(out)]
+        first = 1 + max((int(Path(name).stem) for name in names), default=-1)
+    source = FormulaSource(data_dir, train_share)
     stats = {"images": 0, "composed": 0, "train": 0, "failed": 0, "chunks": 0}
     started = time.perf_counter()
 
@@ -343,7 +384,7 @@ def render_set(
             index += 1
 
     planned = jobs()
-    lines = []
+    lines, origins = [], []
     with ProcessPoolExecutor(workers) as pool:
         # A few chunks in flight per worker; results are taken in chunk order, so the
         # set depends on the seed only, not on which worker finished first.
@@ -363,9 +404,10 @@ def render_set(
                 if png is None:
                     stats["failed"] += 1
                     continue
-                name = f"{stats['images']:07d}.png"
+                name = f"{first + stats['images']:07d}.png"
                 (out / "images" / name).write_bytes(png)
                 lines.append(f"{name}\t{formula}\n")
+                origins.append(f"{name}\t{COMPOSED if is_composed else VERBATIM}\n")
                 stats["images"] += 1
                 stats["composed" if is_composed else "train"] += 1
             elapsed = time.perf_counter() - started
@@ -378,7 +420,10 @@ def render_set(
                 break
         for future, _, _ in window:
             future.cancel()
-    (out / "formulas.tsv").write_text("".join(lines))
+    mode = "a" if first else "w"
+    with open(out / "formulas.tsv", mode) as table, open(out / ORIGINS, mode) as origin_table:
+        table.write("".join(lines))
+        origin_table.write("".join(origins))
     stats["rejected_dev"] = source.rejected_dev
     stats["seconds"] = round(time.perf_counter() - started)
     return stats
@@ -437,35 +482,239 @@ def calibrate(
     }
 
 
-def pack(set_dir: str | Path, archive: str | Path, max_bytes: int = 0) -> int:
-    """Pack a rendered set into one .tar.xz (`rendered/formulas.tsv`, `rendered/images/`).
+def _set_rows(set_dir: Path) -> list[tuple[str, str]]:
+    """(name, formula) of a set folder, in its order."""
+    lines = (set_dir / "formulas.tsv").read_text().splitlines()
+    return [(name, formula) for name, formula in (line.split("\t", 1) for line in lines)]
 
-    With `max_bytes`, the set is cut (from its end) until the archive fits.
+
+def recover_origins(set_dir: str | Path, data_dir: str | Path) -> None:
+    """Write origins.tsv for a set rendered before it was recorded: a formula is verbatim
+    when it is a train-split formula, the test `FormulaSource.draw` makes too."""
+    set_dir = Path(set_dir)
+    if (set_dir / ORIGINS).exists():
+        return
+    train, _ = split_samples(read_formulas(data_dir))
+    train_formulas = {s.formula for s in train}
+    lines = (
+        f"{name}\t{VERBATIM if formula in train_formulas else COMPOSED}\n"
+        for name, formula in _set_rows(set_dir)
+    )
+    (set_dir / ORIGINS).write_text("".join(lines))
+
+
+def read_origins(set_dir: str | Path) -> dict[str, str]:
+    """Image name -> VERBATIM or COMPOSED, from a set's origins.tsv."""
+    lines = (Path(set_dir) / ORIGINS).read_text().splitlines()
+    return dict(line.split("\t", 1) for line in lines)
+
+
+def pack_order(origins: Sequence[str], verbatim_share: float) -> list[int]:
+    """Indices of a set's images in the order a size cap keeps them (it cuts from the end).
+
+    Set order, except that a verbatim train formula comes only while it keeps every
+    prefix at most `verbatim_share` verbatim; the ones left over are not packed. Those
+    have real images already, drawn by the same renderer; compositions are new.
+    """
+    if verbatim_share >= 1:
+        return list(range(len(origins)))
+    verbatim = deque(i for i, origin in enumerate(origins) if origin == VERBATIM)
+    composed = deque(i for i, origin in enumerate(origins) if origin != VERBATIM)
+    order: list[int] = []
+    taken = 0  # verbatim ones in `order`
+    while verbatim or composed:
+        # The tolerance lets a share such as 0.15 x 20 count as the 3 it is.
+        if verbatim and taken + 1 <= verbatim_share * (len(order) + 1) + 1e-9:
+            order.append(verbatim.popleft())
+            taken += 1
+        elif composed:
+            order.append(composed.popleft())
+        else:
+            break
+    return order
+
+
+def pack(
+    set_dir: str | Path, archive: str | Path, max_bytes: int = 0, verbatim_share: float = 1.0
+) -> int:
+    """Pack a rendered set into one archive: `.lvl.xz` (see `_write_levels`) or else a
+    `.tar.xz` (`rendered/formulas.tsv`, `rendered/images/`).
+
+    With `verbatim_share` below 1, at most that share of the packed images are verbatim
+    train formulas (see `pack_order`; the set needs its origins.tsv). With `max_bytes`,
+    images are cut from the end of that order until the archive fits (in one pass for a
+    `.lvl.xz`, whose last few images are then the smallest of its last, short block).
     Returns the number of images packed.
     """
     set_dir, archive = Path(set_dir), Path(archive)
-    lines = (set_dir / "formulas.tsv").read_text().splitlines()
-    keep = len(lines)
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    rows = _set_rows(set_dir)
+    if verbatim_share < 1:
+        origins = read_origins(set_dir)
+        rows = [rows[i] for i in pack_order([origins[name] for name, _ in rows], verbatim_share)]
+    keep = len(rows)
+    if archive.name.endswith(LEVELS_SUFFIX):
+        images = [_png_levels((set_dir / "images" / name).read_bytes()) for name, _ in rows]
+        while True:  # one pass, unless xz held back more than LEVEL_LAG at the end
+            size, packed = _write_levels(archive, rows[:keep], images[:keep], max_bytes)
+            if not max_bytes or size <= max_bytes:
+                return packed
+            keep = int(packed * max_bytes / size * 0.995)
     while True:
-        with (
-            lzma.open(archive, "wb", preset=9) as xz,
-            tarfile.open(fileobj=xz, mode="w") as tar,
-        ):
-            table = "".join(line + "\n" for line in lines[:keep]).encode()
-            _add_bytes(tar, "rendered/formulas.tsv", table)
-            for line in lines[:keep]:
-                name = line.split("\t", 1)[0]
-                tar.add(set_dir / "images" / name, f"rendered/images/{name}")
-        size = archive.stat().st_size
+        size = _write_tar(set_dir, archive, rows[:keep])
         if not max_bytes or size <= max_bytes:
             return keep
-        keep = int(keep * max_bytes / size * 0.995)
+        keep = int(keep * max_bytes / size * 0.998)
+
+
+def _write_tar(set_dir: Path, archive: Path, rows: Sequence[tuple[str, str]]) -> int:
+    """Write a `.tar.xz` of `rows`' PNGs; returns its size."""
+    with lzma.open(archive, "wb", preset=9) as xz, tarfile.open(fileobj=xz, mode="w") as tar:
+        table = "".join(f"{name}\t{formula}\n" for name, formula in rows).encode()
+        _add_bytes(tar, "rendered/formulas.tsv", table)
+        for name, _ in rows:
+            tar.add(set_dir / "images" / name, f"rendered/images/{name}")
+    return archive.stat().st_size
 
 
 def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info = tarfile.TarInfo(name)
     info.size = len(data)
     tar.addfile(info, io.BytesIO(data))
+
+
+def _png_levels(png: bytes) -> np.ndarray:
+    """A quantized PNG's gray levels (0-15) as uint8 [height, width]."""
+    with Image.open(io.BytesIO(png)) as image:
+        gray = np.asarray(image.convert("L"))
+    if np.any(gray % LEVEL_STEP):
+        raise ValueError("the image has gray values other than quantized_png's 16 levels")
+    return gray // LEVEL_STEP
+
+
+def _by_shape(shapes: Sequence[tuple[int, int]], start: int, stop: int) -> list[int]:
+    """Indices start..stop-1 by height, then width (stable): the pixels' order in a block."""
+    return sorted(range(start, stop), key=lambda i: shapes[i])
+
+
+def _index_bytes(rows: Sequence[tuple[str, str]], images: Sequence[np.ndarray]) -> bytes:
+    lines = (
+        f"{name}\t{image.shape[0]}\t{image.shape[1]}\t{formula}\n"
+        for (name, formula), image in zip(rows, images, strict=True)
+    )
+    return "".join(lines).encode()
+
+
+def _write_levels(
+    archive: Path, rows: Sequence[tuple[str, str]], images: Sequence[np.ndarray], max_bytes: int
+) -> tuple[int, int]:
+    """Write a `.lvl.xz`, one xz stream of:
+
+        TEXEL-LEVELS 1
+        <pixels>
+        <name> TAB <height> TAB <width> TAB <formula>      (a line an image, pack order)
+        blocks <count> <count> ...
+        <bytes of the lines above, 20 digits>
+
+    The pixels are each image's gray levels (0-15), one byte each, column by column. The
+    pack order is cut into blocks (LEVEL_BLOCK images, fewer as `max_bytes` nears) and a
+    block's pixels come by shape (`_by_shape`). With `max_bytes`, the pass stops before
+    an image that might not fit, so the last block can keep only its first images in
+    pixel order. Returns the archive's size and the number of images in it.
+    """
+    shapes = [image.shape for image in images]
+    # The index comes last; its share of the cap is reserved from the start.
+    index_share = len(lzma.compress(_index_bytes(rows, images))) / len(rows) if max_bytes else 0
+    lag = min(LEVEL_LAG, max_bytes // 100)
+    compressor = lzma.LZMACompressor(format=lzma.FORMAT_XZ, filters=LEVEL_FILTERS)
+    kept: list[int] = []
+    blocks: list[int] = []
+    with open(archive, "wb") as out:
+        written = out.write(compressor.compress(LEVELS_MAGIC))
+        start = 0
+        while start < len(rows):
+            size = LEVEL_BLOCK
+            if max_bytes and kept:  # about half of what still fits, at the rate so far
+                room = max_bytes - written - lag - index_share * len(kept)
+                size = int(room / 2 / (written / len(kept) + index_share))
+                size = min(LEVEL_BLOCK, max(LEVEL_MIN_BLOCK, size))
+            fed = 0
+            for i in _by_shape(shapes, start, min(start + size, len(rows))):
+                room = max_bytes - written - lag - index_share * (len(kept) + 1)
+                if max_bytes and room < 0:
+                    break
+                written += out.write(compressor.compress(images[i].T.tobytes()))
+                kept.append(i)
+                fed += 1
+            if fed:
+                blocks.append(fed)
+            if fed < size:
+                break
+            start += size
+        kept.sort()
+        index = _index_bytes([rows[i] for i in kept], [images[i] for i in kept])
+        index += f"blocks {' '.join(map(str, blocks))}\n".encode()
+        written += out.write(compressor.compress(index + f"{len(index):020d}\n".encode()))
+        written += out.write(compressor.flush())
+    return written, len(kept)
+
+
+def _read_levels(path: Path) -> list[tuple[np.ndarray, str]]:
+    with lzma.open(path) as stream:
+        data = stream.read()
+    if not data.startswith(LEVELS_MAGIC):
+        raise ValueError(f"{path} is not a rendered set ({LEVELS_SUFFIX})")
+    index_end = len(data) - 21
+    index_start = index_end - int(data[index_end:])
+    *lines, block_line = data[index_start:index_end].decode().splitlines()
+    shapes, formulas = [], []
+    for line in lines:
+        _, height, width, formula = line.split("\t", 3)
+        shapes.append((int(height), int(width)))
+        formulas.append(formula)
+    count = index_start - len(LEVELS_MAGIC)
+    levels = np.frombuffer(data, dtype=np.uint8, count=count, offset=len(LEVELS_MAGIC))
+    images: list[np.ndarray] = [np.empty(0, np.uint8)] * len(lines)
+    first = offset = 0
+    for size in map(int, block_line.split()[1:]):
+        for i in _by_shape(shapes, first, first + size):
+            height, width = shapes[i]
+            columns = levels[offset : offset + height * width].reshape(width, height)
+            images[i] = np.multiply(columns.T, np.uint8(LEVEL_STEP), order="C")
+            offset += height * width
+        first += size
+    if first != len(lines) or offset != levels.size:
+        raise ValueError(f"{path}: the index does not account for the pixels")
+    return list(zip(images, formulas, strict=True))
+
+
+def read_rendered(path: str | Path) -> list[tuple[np.ndarray, str]]:
+    """(gray image as uint8 [height, width], formula) of a rendered set: its folder, its
+    `.lvl.xz` or its `.tar.xz`, in the set's order."""
+    path = Path(path)
+    if path.is_dir():
+        return [
+            (_png_gray((path / "images" / name).read_bytes()), formula)
+            for name, formula in _set_rows(path)
+        ]
+    if path.name.endswith(LEVELS_SUFFIX):
+        return _read_levels(path)
+    files: dict[str, bytes] = {}
+    with tarfile.open(path, "r:*") as tar:
+        for member in tar:
+            if member.isfile():
+                handle = tar.extractfile(member)
+                assert handle is not None
+                files[member.name] = handle.read()
+    table = next(name for name in files if name.endswith("formulas.tsv"))
+    root = table[: -len("formulas.tsv")]
+    rows = (line.split("\t", 1) for line in files[table].decode().splitlines())
+    return [(_png_gray(files[f"{root}images/{name}"]), formula) for name, formula in rows]
+
+
+def _png_gray(png: bytes) -> np.ndarray:
+    with Image.open(io.BytesIO(png)) as image:
+        return np.asarray(image.convert("L"))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -479,7 +728,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--max-minutes", type=float, default=0, help="stop early after this long (0 = no limit)"
     )
-    parser.add_argument("--pack", default="", help="also pack the set into this .tar.xz")
+    parser.add_argument(
+        "--train-share", type=float, default=0.3, help="share of verbatim train formulas drawn"
+    )
+    parser.add_argument(
+        "--append", action="store_true", help="add to the set in --out (give it a new --seed)"
+    )
+    parser.add_argument(
+        "--pack",
+        default="",
+        help=f"also pack the set into this archive: {LEVELS_SUFFIX} (compact) or .tar.xz (PNGs)",
+    )
+    parser.add_argument(
+        "--verbatim-share",
+        type=float,
+        default=1.0,
+        help="most share of verbatim train formulas in the packed set (1 = as rendered)",
+    )
     parser.add_argument(
         "--pack-max-mb", type=float, default=0, help="cut the packed set to fit (MB, 10^6 bytes)"
     )
@@ -500,7 +765,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("--out is required")
     if args.count:
         stats = render_set(
-            args.data, args.out, args.count, args.seed, args.workers, args.chunk, args.max_minutes
+            args.data,
+            args.out,
+            args.count,
+            args.seed,
+            args.workers,
+            args.chunk,
+            args.max_minutes,
+            args.train_share,
+            args.append,
         )
         print(
             f"{stats['images']} images ({stats['train']} train formulas, {stats['composed']} "
@@ -509,29 +782,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             flush=True,
         )
     if args.pack:
-        packed = pack(args.out, args.pack, int(args.pack_max_mb * 1e6))
+        started = time.perf_counter()
+        recover_origins(args.out, args.data)
+        packed = pack(args.out, args.pack, int(args.pack_max_mb * 1e6), args.verbatim_share)
         size = Path(args.pack).stat().st_size
-        print(f"{args.pack}: {packed} images, {size / 1e6:.1f} MB", flush=True)
+        print(
+            f"{args.pack}: {packed} images, {size / 1e6:.2f} MB, {size / packed:.0f} bytes "
+            f"an image, in {time.perf_counter() - started:.0f} s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
     main()
-
-
-def read_rendered(path: str | Path) -> list[tuple[bytes, str]]:
-    """(PNG bytes, formula) of a rendered set: its folder or its packed .tar.xz."""
-    path = Path(path)
-    if path.is_dir():
-        rows = (line.split("\t", 1) for line in (path / "formulas.tsv").read_text().splitlines())
-        return [((path / "images" / name).read_bytes(), formula) for name, formula in rows]
-    files: dict[str, bytes] = {}
-    with tarfile.open(path, "r:*") as tar:
-        for member in tar:
-            if member.isfile():
-                handle = tar.extractfile(member)
-                assert handle is not None
-                files[member.name] = handle.read()
-    table = next(name for name in files if name.endswith("formulas.tsv"))
-    root = table[: -len("formulas.tsv")]
-    rows = (line.split("\t", 1) for line in files[table].decode().splitlines())
-    return [(files[f"{root}images/{name}"], formula) for name, formula in rows]

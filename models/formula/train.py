@@ -31,13 +31,14 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from tqdm import tqdm
 
 from models.formula import synth
-from models.formula.data import MAX_PIXELS, load_strips, read_formulas, split_samples
+from models.formula.data import load_strips, read_formulas, split_samples
 from models.formula.evaluate import markdown_table, recognize, score
 from models.formula.latex_render import read_rendered
-from models.formula.preprocess import FormulaImageSpec, decode_image, prepare_strip
+from models.formula.preprocess import FormulaImageSpec, prepare_strip
 from models.formula.tokenizer import (
     build_tokenizer,
     build_vocabulary,
@@ -178,8 +179,8 @@ class SyntheticStream:
         self._pool.terminate()
 
 
-def _rendered_strip(spec: FormulaImageSpec, png: bytes) -> np.ndarray:
-    return prepare_strip(decode_image(png, MAX_PIXELS), spec)
+def _rendered_strip(spec: FormulaImageSpec, gray: np.ndarray) -> np.ndarray:
+    return prepare_strip(Image.fromarray(gray), spec)
 
 
 def load_rendered(
@@ -191,16 +192,16 @@ def load_rendered(
     """
     rows = read_rendered(path)
     kept, out_of_vocab, too_long = [], 0, 0
-    for png, formula in rows:
+    for gray, formula in rows:
         ids = encode_formula(tokenizer, formula, MAX_TOKENS)
         if not ids:
             too_long += 1
         elif tokenizer.unk_token_id in ids:
             out_of_vocab += 1
         else:
-            kept.append((png, ids))
+            kept.append((gray, ids))
     with mp.get_context("fork").Pool(max(1, workers)) as pool:
-        strips = pool.map(partial(_rendered_strip, spec), [png for png, _ in kept], chunksize=256)
+        strips = pool.map(partial(_rendered_strip, spec), [gray for gray, _ in kept], chunksize=256)
     print(
         f"rendered set {path}: {len(kept)} of {len(rows)} images; skipped {out_of_vocab} "
         f"(tokens outside the vocabulary), {too_long} (over {MAX_TOKENS - 1} tokens)",
@@ -312,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--rendered",
         default="",
-        help="a pre-rendered LaTeX set to mix in (folder or .tar.xz from latex_render)",
+        help="a pre-rendered LaTeX set to mix in (folder, .lvl.xz or .tar.xz from latex_render)",
     )
     parser.add_argument(
         "--rendered-fraction",
