@@ -1,0 +1,121 @@
+"""Where a formula decoding step's time goes, with a full stream of real formulas.
+
+    python -m bench.step_profile --data ../shared/data --rows 128
+
+Loads the formula model on the default device as the server does (`FormulaRecognizer`,
+warmed up for `--rows` rows), admits `--rows` real formula images into its static decoder
+and then:
+
+- times `run()` (8 steps: one CUDA graph replay on a GPU), per step;
+- times the same with a decoder whose buffers end at the admitted rows' longest source
+  instead of the widest bucket's (cross-attention reads every row's whole source buffer
+  each step), to size source-length buckets before building them;
+- profiles steps run eagerly with `torch.profiler` and prints the operators that take
+  the most device time (CPU time on a CPU).
+
+Prints one JSON line with the timings and the profile table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.common import commit, formula_images
+from bench.compare import gpu_name
+from bench.server import ROOT
+from models.devices import resolve_devices
+from models.formula.adapter import FormulaRecognizer
+from models.formula.fast_decode import CHECK_EVERY, StaticGreedyDecoder
+
+
+def step_ms(decoder: StaticGreedyDecoder, repeats: int) -> float:
+    """Mean time of one step over `repeats` runs of `CHECK_EVERY` steps."""
+    decoder.run()  # warm: the bucket's graph exists, caches are filled
+    cuda = decoder.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(decoder.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        decoder.run()
+    if cuda:
+        end.record()
+        end.synchronize()
+        total = start.elapsed_time(end)
+    else:
+        total = 1000 * (time.perf_counter() - started)
+    return total / (repeats * CHECK_EVERY)
+
+
+def admit(recognizer: FormulaRecognizer, decoder: StaticGreedyDecoder, items: list) -> int:
+    """Admit `items` as the stream would; the longest source among them."""
+    pixels, _ = recognizer._upload(decoder, items)
+    slots = decoder.admit(pixels)
+    return max(decoder._slot_source[slot] for slot in slots)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--model", default=str(ROOT / "models" / "formula" / "default"))
+    parser.add_argument("--rows", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=20, help="runs of 8 steps timed")
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args()
+
+    device = resolve_devices(args.device)[0]
+    recognizer = FormulaRecognizer(args.model, [device], decoder="static")
+    recognizer.load()
+    recognizer.warmup(device, args.rows)
+    decoder = recognizer._decoders[str(device)]
+    images = formula_images(args.data, args.rows)
+    items = [recognizer.preprocess(image) for image in images]
+    longest = admit(recognizer, decoder, items)
+    record = {
+        "scenario": "formula-step",
+        "device": str(device),
+        "gpu": gpu_name(),
+        "commit": commit(),
+        "command": "python -m bench.step_profile " + " ".join(sys.argv[1:]),
+        "rows": args.rows,
+        "max_source_len": decoder.max_source_len,
+        "longest_admitted_source": longest,
+        "step_ms": round(step_ms(decoder, args.repeats), 4),
+    }
+    decoder.release(list(range(args.rows)))
+
+    trimmed = StaticGreedyDecoder(
+        recognizer._models[str(device)],
+        max_batch_size=args.rows,
+        max_new_tokens=decoder.max_new_tokens,
+        max_source_len=longest,
+    )
+    trimmed.warmup()
+    admit(recognizer, trimmed, items)
+    record["step_ms_source_trimmed"] = round(step_ms(trimmed, args.repeats), 4)
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    bucket = decoder._bucket_of(args.rows) if decoder.use_cuda_graphs else args.rows
+    admit(recognizer, decoder, items)
+    with torch.inference_mode(), profile(activities=activities) as prof:
+        for _ in range(CHECK_EVERY):
+            decoder._step(bucket)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(json.dumps(record), flush=True)
+    print(prof.key_averages().table(sort_by=sort, row_limit=25))
+
+
+if __name__ == "__main__":
+    main()
