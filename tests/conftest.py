@@ -92,3 +92,28 @@ def wait_for(condition, timeout: float = 30.0) -> None:
             pass
         time.sleep(0.05)
     raise AssertionError("condition not met in time")
+
+
+@pytest.fixture
+def tiny_recognizer(tiny_models):
+    """A warmed-up CPU `FormulaRecognizer` on the tiny model, with its static decoder,
+    and random formula strips of the given widths: `(recognizer, inputs)`."""
+    import numpy as np
+    import torch
+
+    from models.formula.adapter import FormulaInput, FormulaRecognizer
+
+    def build(max_batch_size: int, widths: tuple[int, ...], seed: int = 0):
+        cpu = torch.device("cpu")
+        recognizer = FormulaRecognizer(str(tiny_models["formula"]), [cpu], decoder="static")
+        recognizer.load()
+        recognizer.warmup(cpu, max_batch_size=max_batch_size)
+        rng = np.random.default_rng(seed)
+        height = recognizer.spec.height
+        inputs = [
+            FormulaInput(rng.integers(0, 256, (height, width), dtype=np.uint8), width)
+            for width in widths
+        ]
+        return recognizer, inputs
+
+    return build

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from bench.stream_probe import ClosedLoop, probe
-from models.formula.adapter import FormulaInput, FormulaRecognizer
 
 
 def test_the_closed_loop_keeps_its_concurrency_and_stops_taking_at_the_deadline():
@@ -24,19 +22,10 @@ def test_the_closed_loop_keeps_its_concurrency_and_stops_taking_at_the_deadline(
     assert loop.answered == 4 and loop.outstanding == 0
 
 
-def test_probe_answers_requests_and_reports_its_phases(tiny_models):
-    cpu = torch.device("cpu")
-    recognizer = FormulaRecognizer(str(tiny_models["formula"]), [cpu], decoder="static")
-    recognizer.load()
-    recognizer.warmup(cpu, max_batch_size=4)
+def test_probe_answers_requests_and_reports_its_phases(tiny_recognizer):
+    recognizer, items = tiny_recognizer(max_batch_size=4, widths=(64, 128, 64), seed=3)
     decoder = recognizer._decoders["cpu"]
-    rng = np.random.default_rng(3)
-    height = recognizer.spec.height
-    items = [
-        FormulaInput(rng.integers(0, 256, (height, width), dtype=np.uint8), width)
-        for width in (64, 128, 64)
-    ]
-    record = probe(recognizer, cpu, items, concurrency=4, duration=1.0)
+    record = probe(recognizer, torch.device("cpu"), items, concurrency=4, duration=1.0)
     assert record["answered"] >= 4 and record["throughput_rps"] > 0
     assert 0 < record["mean_rows"] <= 4
     assert set(record["host_ms_per_check"]) == {"harvest", "join", "run", "snapshot"}
