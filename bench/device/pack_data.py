@@ -10,21 +10,14 @@ the first 500 images unchanged, the benchmarks' fixed workload (about 3 MB).
 from __future__ import annotations
 
 import argparse
-import io
 import lzma
 import tarfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from models.formula.data import quantized_png
+from models.formula.data import add_bytes, quantized_png
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    tar.addfile(info, io.BytesIO(data))
 
 
 def main() -> None:

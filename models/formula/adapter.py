@@ -372,8 +372,8 @@ class FormulaRecognizer:
         away are dropped.
 
         On CUDA the host stays one run ahead: it queues run N+1 before it harvests run
-        N, so the device never waits while Python answers, uploads and relays (a
-        finished row answers one run later and keeps its slot that long).
+        N (waiting only for run N's snapshot), so the device decodes while Python
+        answers, uploads and relays; a finished row keeps its slot one run longer.
         """
         rows: dict[int, tuple[int, float]] = {}  # slot -> (the feed's key, when it joined)
         ahead = decoder.device.type == "cuda" if self.stream_ahead is None else self.stream_ahead
@@ -393,10 +393,8 @@ class FormulaRecognizer:
                         if decoder.running:
                             decoder.run()
                             latest = decoder.snapshot()
-                        if not ahead:
-                            pending, latest = latest, None
-                        finished = decoder.harvest(pending) if pending is not None else {}
-                        pending = latest
+                        harvested, pending = (pending, latest) if ahead else (latest, None)
+                        finished = decoder.harvest(harvested) if harvested is not None else {}
                     now = time.perf_counter()
                     answers: list[tuple[int, Any]] = []
                     for slot, row in finished.items():

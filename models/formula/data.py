@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import tarfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,3 +98,10 @@ def server_batch(strips: Sequence[np.ndarray], spec: FormulaImageSpec) -> np.nda
     """Pad strips to their bucket width and normalize, exactly as the server does."""
     width = bucket_width(max(s.shape[1] for s in strips), spec, step=BUCKET_STEP)
     return pad_and_normalize(list(strips), width, spec)
+
+
+def add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    """Add `data` to `tar` as the file `name`."""
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))

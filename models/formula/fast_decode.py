@@ -385,9 +385,7 @@ class StaticGreedyDecoder:
         """
         if snapshot is None:
             snapshot = self.snapshot()
-        if snapshot.ready is not None:
-            snapshot.ready.synchronize()
-        state = snapshot.state.numpy()
+        state = snapshot.host().numpy()
         done = {}
         for slot in np.flatnonzero(state[:, 0]).tolist():
             epoch = snapshot.rows.get(slot)
@@ -429,10 +427,7 @@ class StaticGreedyDecoder:
 
     def _rows(self, slots: list[int], stopped_after: int) -> list[list[int]]:
         """Each slot's tokens so far: through its EOS (or limit), or `stopped_after` steps."""
-        snapshot = self.snapshot()
-        if snapshot.ready is not None:
-            snapshot.ready.synchronize()
-        state = snapshot.state.tolist()
+        state = self.snapshot().host().tolist()
         return [
             tokens[: end + 2] if finished else tokens[: stopped_after + 1]
             for finished, end, *tokens in (state[slot] for slot in slots)
@@ -692,6 +687,12 @@ class Snapshot:
     state: torch.Tensor  # host [rows, 2 + cache], per slot [finished, finished_at, *output]
     ready: torch.cuda.Event | None  # recorded after the copy (CUDA); None: already there
     rows: dict[int, int]  # slot -> the epoch of the row it held
+
+    def host(self) -> torch.Tensor:
+        """The state on the host, once its copy is done."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.state
 
 
 class _EncoderGraph:

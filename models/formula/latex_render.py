@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from models.formula.data import quantized_png, read_formulas, split_samples
+from models.formula.data import add_bytes, quantized_png, read_formulas, split_samples
 from models.formula.synth import FormulaComposer
 
 # im2markup's rendering: article at its default 10pt, display math, no page numbers. amssymb is
@@ -571,22 +571,15 @@ def _write_tar(set_dir: Path, archive: Path, rows: Sequence[tuple[str, str]]) ->
     """Write a `.tar.xz` of `rows`' PNGs; returns its size."""
     with lzma.open(archive, "wb", preset=9) as xz, tarfile.open(fileobj=xz, mode="w") as tar:
         table = "".join(f"{name}\t{formula}\n" for name, formula in rows).encode()
-        _add_bytes(tar, "rendered/formulas.tsv", table)
+        add_bytes(tar, "rendered/formulas.tsv", table)
         for name, _ in rows:
             tar.add(set_dir / "images" / name, f"rendered/images/{name}")
     return archive.stat().st_size
 
 
-def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    tar.addfile(info, io.BytesIO(data))
-
-
 def _png_levels(png: bytes) -> np.ndarray:
     """A quantized PNG's gray levels (0-15) as uint8 [height, width]."""
-    with Image.open(io.BytesIO(png)) as image:
-        gray = np.asarray(image.convert("L"))
+    gray = _png_gray(png)
     if np.any(gray % LEVEL_STEP):
         raise ValueError("the image has gray values other than quantized_png's 16 levels")
     return gray // LEVEL_STEP
