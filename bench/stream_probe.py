@@ -7,7 +7,8 @@ warmed up for `--max-batch-size` rows), preprocesses the benchmark images once, 
 `--concurrency` requests in the adapter's stream for `--duration` seconds: a closed loop
 with no HTTP, where each answer lets the next image in. Prints formulas/s, the mean rows
 decoding together, and the host time per check in each phase (join: upload and admit;
-run; snapshot; harvest, which includes waiting for the device).
+run; snapshot; harvest, which includes waiting for the device), the requests and width
+groups per join and, on CUDA, the device time of the work each join and run queues.
 
 `--sync-check` then repeats a short run under `torch.cuda.set_sync_debug_mode("warn")`
 and prints every source line that made the host wait for the device, with counts; only
@@ -78,26 +79,64 @@ def timed(phases: defaultdict, name: str, function):
     return wrapper
 
 
+class DeviceTimes:
+    """Device time of the work a function queues, from CUDA events around each call
+    (read once the run is over, so timing adds no synchronization)."""
+
+    def __init__(self) -> None:
+        self.events: defaultdict[str, list] = defaultdict(list)
+
+    def wrap(self, name: str, function):
+        def wrapper(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                end.record()
+                self.events[name].append((start, end))
+
+        return wrapper
+
+    def ms(self) -> dict[str, float]:
+        torch.cuda.synchronize()
+        return {
+            name: sum(start.elapsed_time(end) for start, end in pairs)
+            for name, pairs in sorted(self.events.items())
+        }
+
+
 def probe(recognizer: FormulaRecognizer, device, items: list, concurrency: int, duration: float):
-    """One closed-loop run: formulas/s, mean rows, host seconds per check by phase."""
+    """One closed-loop run: formulas/s, mean rows, host seconds per check by phase, and on
+    CUDA the device time of the work joins and runs queue."""
     decoder = recognizer._decoders[str(device)]
     phases: defaultdict[str, float] = defaultdict(float)
     rows: list[int] = []
+    joins: list[tuple[int, int]] = []  # (requests, width groups) per join
+    device_times = DeviceTimes() if device.type == "cuda" else None
     run = decoder.run
 
     def counted_run():
         rows.append(decoder.running)
         run()
 
+    def counted_join(decoder, new, slots, feed):
+        joins.append((len(new), len({item.bucket for _, item in new})))
+        join(decoder, new, slots, feed)
+
+    join = recognizer._join
+    joined = timed(phases, "join", counted_join)
+    ran = timed(phases, "run", counted_run)
+    if device_times is not None:
+        joined, ran = device_times.wrap("join", joined), device_times.wrap("run", ran)
     patched = {
-        "run": timed(phases, "run", counted_run),
+        "run": ran,
         "snapshot": timed(phases, "snapshot", decoder.snapshot),
         "harvest": timed(phases, "harvest", decoder.harvest),
     }
     for name, function in patched.items():
         setattr(decoder, name, function)
-    join = recognizer._join
-    recognizer._join = timed(phases, "join", join)
+    recognizer._join = joined
     try:
         feed = ClosedLoop(items, concurrency, time.perf_counter() + duration)
         started = time.perf_counter()
@@ -108,14 +147,22 @@ def probe(recognizer: FormulaRecognizer, device, items: list, concurrency: int, 
             delattr(decoder, name)
         del recognizer._join
     checks = max(len(rows), 1)
-    return {
+    record = {
         "throughput_rps": round(feed.answered / elapsed, 2),
         "answered": feed.answered,
         "mean_rows": round(sum(rows) / checks, 1),
         "checks": len(rows),
         "check_ms": round(1000 * elapsed / checks, 3),
         "host_ms_per_check": {k: round(1000 * v / checks, 3) for k, v in sorted(phases.items())},
+        "joins": len(joins),
+        "requests_per_join": round(sum(n for n, _ in joins) / max(len(joins), 1), 2),
+        "width_groups_per_join": round(sum(g for _, g in joins) / max(len(joins), 1), 2),
     }
+    if device_times is not None:
+        record["device_ms_per_check"] = {
+            k: round(v / checks, 3) for k, v in device_times.ms().items()
+        }
+    return record
 
 
 def sync_sites(recognizer, device, items: list, concurrency: int, duration: float) -> dict:
@@ -143,12 +190,17 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=128)
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--device", default="auto")
+    parser.add_argument(
+        "--bucket-width", type=int, default=64, help="the server's TEXEL_FORMULA__BUCKET_WIDTH"
+    )
     parser.add_argument("--sync-check", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
     device = resolve_devices(args.device)[0]
-    recognizer = FormulaRecognizer(args.model, [device], continuous=True)
+    recognizer = FormulaRecognizer(
+        args.model, [device], continuous=True, bucket_step=args.bucket_width
+    )
     recognizer.load()
     recognizer.warmup(device, args.max_batch_size)
     if recognizer.runner(device).stream is None:
@@ -161,6 +213,7 @@ def main() -> None:
         "device": str(device),
         "commit": commit(),
         "command": "python -m bench.stream_probe " + " ".join(sys.argv[1:]),
+        "bucket_width": args.bucket_width,
     }
     probe(recognizer, device, items, args.max_batch_size, 2.0)  # warm-up
     records = []

@@ -29,5 +29,8 @@ def test_probe_answers_requests_and_reports_its_phases(tiny_recognizer):
     assert record["answered"] >= 4 and record["throughput_rps"] > 0
     assert 0 < record["mean_rows"] <= 4
     assert set(record["host_ms_per_check"]) == {"harvest", "join", "run", "snapshot"}
+    assert record["joins"] >= 1 and 1 <= record["requests_per_join"] <= 4
+    assert 1 <= record["width_groups_per_join"] <= 2, "two distinct widths among the images"
+    assert "device_ms_per_check" not in record, "device times are CUDA events"
     assert decoder.running == 0, "every row answered and freed"
     assert "run" not in vars(decoder) and "_join" not in vars(recognizer), "timers removed"

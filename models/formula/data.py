@@ -94,9 +94,12 @@ def width_batches(widths: Sequence[int], batch_size: int) -> Iterator[list[int]]
         yield [int(i) for i in order[start : start + batch_size]]
 
 
-def server_batch(strips: Sequence[np.ndarray], spec: FormulaImageSpec) -> np.ndarray:
-    """Pad strips to their bucket width and normalize, exactly as the server does."""
-    width = bucket_width(max(s.shape[1] for s in strips), spec, step=BUCKET_STEP)
+def server_batch(
+    strips: Sequence[np.ndarray], spec: FormulaImageSpec, step: int = BUCKET_STEP
+) -> np.ndarray:
+    """Pad strips to their bucket width (buckets `step` px apart, the server's
+    `bucket_width` setting) and normalize, exactly as the server does."""
+    width = bucket_width(max(s.shape[1] for s in strips), spec, step=step)
     return pad_and_normalize(list(strips), width, spec)
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from models.formula.data import (
+    BUCKET_STEP,
     load_strips,
     read_formulas,
     server_batch,
@@ -119,15 +120,21 @@ def load_model(model_dir: str | Path, device: str = "cpu"):
 
 @torch.inference_mode()
 def recognize(
-    model, tokenizer, spec: FormulaImageSpec, strips: Sequence[np.ndarray], batch_size: int = 64
+    model,
+    tokenizer,
+    spec: FormulaImageSpec,
+    strips: Sequence[np.ndarray],
+    batch_size: int = 64,
+    bucket_step: int = BUCKET_STEP,
 ) -> list[str]:
-    """Greedy transcriptions of strips, in input order, batched as the server batches."""
+    """Greedy transcriptions of strips, in input order, batched as the server batches
+    (padded to buckets `bucket_step` px apart)."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     max_new_tokens = model.generation_config.max_new_tokens or 256
     out = [""] * len(strips)
     for indices in width_batches([s.shape[1] for s in strips], batch_size):
-        pixels = torch.from_numpy(server_batch([strips[i] for i in indices], spec)).to(
+        pixels = torch.from_numpy(server_batch([strips[i] for i in indices], spec, bucket_step)).to(
             device, dtype
         )
         ids = model.generate(
@@ -204,6 +211,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--limit", type=int, default=0, help="evaluate only the first N images (0 = all)"
     )
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument(
+        "--bucket-width",
+        type=int,
+        default=BUCKET_STEP,
+        help="padded widths are multiples of this (the server's TEXEL_FORMULA__BUCKET_WIDTH)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     parser.add_argument(
@@ -227,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     model, tokenizer, spec = load_model(args.model, args.device)
     strips = load_strips(args.data, chosen, spec)
     start = time.perf_counter()
-    hypotheses = recognize(model, tokenizer, spec, strips, args.batch_size)
+    hypotheses = recognize(model, tokenizer, spec, strips, args.batch_size, args.bucket_width)
     elapsed = time.perf_counter() - start
     references = [s.formula for s in chosen]
     result = score(references, hypotheses)
