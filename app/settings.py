@@ -56,8 +56,12 @@ class FormulaSettings(ModelSettings):
         description="See ModelSettings. On an H200 with 4 HTTP processes, 25 ms served 623 "
         "formulas/s at concurrency 256 against 414 with 0 ms (395 against 407 at 128).",
     )
-    bucket_width: int = Field(
-        64, ge=8, description="Width granularity of formula buckets, in input pixels."
+    bucket_width: int | None = Field(
+        None,
+        ge=8,
+        description="Width granularity of formula buckets, in input pixels; default 128 "
+        "on GPUs (each width group joining a running decode costs an encoder call), 64 on "
+        "a CPU (padding costs compute).",
     )
     merge_buckets: bool = Field(
         True,

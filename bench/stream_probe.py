@@ -191,7 +191,10 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--device", default="auto")
     parser.add_argument(
-        "--bucket-width", type=int, default=64, help="the server's TEXEL_FORMULA__BUCKET_WIDTH"
+        "--bucket-width",
+        type=int,
+        default=None,
+        help="the server's TEXEL_FORMULA__BUCKET_WIDTH (default: the server's)",
     )
     parser.add_argument("--sync-check", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
@@ -213,7 +216,7 @@ def main() -> None:
         "device": str(device),
         "commit": commit(),
         "command": "python -m bench.stream_probe " + " ".join(sys.argv[1:]),
-        "bucket_width": args.bucket_width,
+        "bucket_width": recognizer.bucket_step,
     }
     probe(recognizer, device, items, args.max_batch_size, 2.0)  # warm-up
     records = []

@@ -37,6 +37,25 @@ def test_defaults_point_at_the_shipped_models():
     assert settings.api_keys == [] and settings.log_format == "text"
 
 
+def test_formula_buckets_are_wider_on_gpus_unless_set(monkeypatch):
+    import torch
+
+    from app.serving import build_models
+    from models.formula.adapter import FormulaRecognizer
+
+    cpu, gpu = [torch.device("cpu")], [torch.device("cuda:0")]
+    assert FormulaRecognizer("m", cpu).bucket_step == 64
+    assert FormulaRecognizer("m", gpu).bucket_step == 128
+    assert FormulaRecognizer("m", gpu, bucket_step=64).bucket_step == 64
+    monkeypatch.setenv("TEXEL_IMAGE__ENABLED", "false")
+    assert Settings().formula.bucket_width is None
+    served = build_models(Settings(), gpu, worker_processes=False)
+    assert served["formula"].adapter.bucket_step == 128, "unset: the device's default"
+    monkeypatch.setenv("TEXEL_FORMULA__BUCKET_WIDTH", "96")
+    served = build_models(Settings(), gpu, worker_processes=False)
+    assert served["formula"].adapter.bucket_step == 96, "a setting wins on any device"
+
+
 def test_invalid_values_are_refused(monkeypatch):
     monkeypatch.setenv("TEXEL_FORMULA__MAX_BATCH_SIZE", "0")
     with pytest.raises(ValidationError):

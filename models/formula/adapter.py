@@ -48,6 +48,18 @@ from models.formula.preprocess import (
 # Encoders whose position information copes with any input width.
 VARIABLE_WIDTH_ENCODERS = frozenset({"swin", "donut-swin", "swinv2"})
 
+# Bucket width steps in input pixels. On a GPU every width group that joins a stream costs
+# one encoder replay, about 0.6 ms on an H200 for any number of rows, so fewer, wider
+# buckets pay (bench/device/formula_buckets.sh); on a CPU padding is real compute.
+GPU_BUCKET_STEP = 128
+CPU_BUCKET_STEP = 64
+
+
+def default_bucket_step(devices: list[torch.device]) -> int:
+    """The bucket step for models served on `devices`."""
+    gpu = any(torch.device(device).type == "cuda" for device in devices)
+    return GPU_BUCKET_STEP if gpu else CPU_BUCKET_STEP
+
 
 def accepts_any_width(encoder_config) -> bool:
     """Swin-style windows, or native-resolution ViTs (positions computed per input size)."""
@@ -90,7 +102,7 @@ class FormulaRecognizer:
         *,
         name: str | None = None,
         dtype: str = "auto",
-        bucket_step: int = 64,
+        bucket_step: int | None = None,
         num_beams: int = 1,
         max_new_tokens: int | None = None,
         max_pixels: int = 16_000_000,
@@ -102,7 +114,7 @@ class FormulaRecognizer:
         self.name = model_name(source, name)
         self.devices = devices
         self.dtype_setting = dtype
-        self.bucket_step = bucket_step
+        self.bucket_step = bucket_step or default_bucket_step(devices)
         self.num_beams = num_beams
         self.max_new_tokens = max_new_tokens
         self.max_pixels = max_pixels
