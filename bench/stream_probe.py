@@ -120,11 +120,12 @@ def probe(recognizer: FormulaRecognizer, device, items: list, concurrency: int, 
         rows.append(decoder.running)
         run()
 
-    def counted_join(decoder, new, slots, feed):
-        joins.append((len(new), len({item.bucket for _, item in new})))
-        join(decoder, new, slots, feed)
-
     join = recognizer._join
+
+    def counted_join(decoder, new, slot_rows, feed):
+        joins.append((len(new), len({item.bucket for _, item in new})))
+        join(decoder, new, slot_rows, feed)
+
     joined = timed(phases, "join", counted_join)
     ran = timed(phases, "run", counted_run)
     if device_times is not None:

@@ -70,6 +70,15 @@ def test_a_batch_is_padded_with_white_and_normalized():
     assert batch[0, 0, :, :40].max() == pytest.approx(-1.0)
 
 
+def test_evaluation_pads_batches_to_the_server_buckets():
+    from models.formula.data import server_batch
+
+    strips = [np.zeros((32, 40), np.uint8), np.zeros((32, 70), np.uint8)]
+    assert server_batch(strips, SPEC).shape == (2, 1, 32, 128), "the 64 px default"
+    assert server_batch(strips, SPEC, step=96).shape == (2, 1, 32, 96)
+    assert server_batch(strips[:1], SPEC, step=128).shape == (1, 1, 32, 128)
+
+
 def test_every_supported_format_decodes():
     for fmt in ("PNG", "JPEG", "WEBP", "BMP", "GIF"):
         assert decode_image(encode(ink_box(), fmt), max_pixels=10**6).size == (200, 60)
