@@ -50,7 +50,8 @@ def main() -> None:
     spec = recognizer.spec
     decoder = recognizer._decoders.get(str(device))
     model = recognizer._models[str(device)]
-    widths = sorted({bucket_width(w, spec, 64) for w in range(1, spec.max_width + 1)})
+    step = recognizer.bucket_step
+    widths = sorted({bucket_width(w, spec, step) for w in range(1, spec.max_width + 1)})
     rng = random.Random(0)
     shapes = [
         (rng.randint(3, args.max_batch_size - 1), rng.choice(widths)) for _ in range(args.shapes)
