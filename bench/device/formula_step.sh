@@ -14,12 +14,5 @@ timeout 150 python3 -m bench.step_profile --data /tmp/b --rows 128 >> $L 2>&1
 echo "=== stream_probe at $(( $(date +%s) - T0 ))s" >> $L
 timeout 120 python3 -m bench.stream_probe --data /tmp/b --concurrency 128,256 --duration 8 \
     --max-batch-size 256 --out $OUT/stream-probe.jsonl >> $L 2>&1
-export TEXEL_HTTP_PROCESSES=4
-cmp --servers texel --concurrency 1,128,256
-unset TEXEL_HTTP_PROCESSES
-cmp --servers litserve --concurrency 128
-cmp --servers model-only,texel-nobatch --concurrency 128
-echo "=== equivalence at $(( $(date +%s) - T0 ))s" >> $L
-timeout 120 python3 -m bench.equivalence --data /tmp/b --images 500 --batch-size 128 \
-    --out $OUT/equivalence.jsonl >> $L 2>&1
+comparison
 echo "=== all done at $(( $(date +%s) - T0 ))s" >> $L
