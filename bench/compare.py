@@ -162,12 +162,8 @@ class LitServeProcess:
 
 def model_only_batches(items: list, size: int) -> list[list]:
     """One pass over `items` in batches of `size`: sorted by width, so a batch pads
-    little and holds formulas of similar length, and every image decoded exactly once.
-
-    (Until this change a batch came from one width bucket, topped up by repeating that
-    bucket's images: a bucket of three images gave a batch of 128 that ended with the
-    longest of three formulas, which flattered the ceiling, more so with narrow buckets.)
-    """
+    little and holds formulas of similar length, and every image is decoded exactly once
+    (no image repeated to fill a batch, which would end it sooner than real traffic)."""
     ordered = sorted(items, key=lambda item: item.width)
     return [ordered[i : i + size] for i in range(0, len(ordered), size)]
 

@@ -445,20 +445,33 @@ class StaticGreedyDecoder:
                 filler = pixel_values.new_zeros((padded - count, *pixel_values.shape[1:]))
                 pixel_values = torch.cat([pixel_values, filler])
             kv = self._encode(pixel_values)
+        self._store_source(kv[:, :, :count], slots)
+
+    def _store_source(
+        self, kv: torch.Tensor, slots: list[int], mask: torch.Tensor | None = None
+    ) -> None:
+        """Put rows' cross-attention K/V [2, layers, rows, heads, S, D] into `slots`; each
+        row attends to all S source positions, or where its additive `mask` [rows, S] is 0."""
         source_len = kv.shape[-2]
         if source_len > self.max_source_len:
             raise ValueError(f"source length {source_len} exceeds {self.max_source_len}")
         rows = self._index(slots)
-        self.cross_k[..., :source_len, :].index_copy_(1, rows, kv[0, :, :count])
-        self.cross_v[..., :source_len, :].index_copy_(1, rows, kv[1, :, :count])
+        self.cross_k[..., :source_len, :].index_copy_(1, rows, kv[0])
+        self.cross_v[..., :source_len, :].index_copy_(1, rows, kv[1])
         self.source_mask.index_fill_(0, rows, self.neg)
-        self.source_mask[..., :source_len].index_fill_(0, rows, 0)
+        if mask is None:
+            self.source_mask[..., :source_len].index_fill_(0, rows, 0)
+        else:
+            self.source_mask[:, 0, 0, :source_len].index_copy_(0, rows, mask)
         for slot in slots:
             self._slot_source[slot] = source_len
 
     def _encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Cross-attention K and V of every decoder layer: [2, layers, rows, heads, S, D]."""
-        hidden = self.model.encoder(pixel_values=pixel_values).last_hidden_state
+        return self._cross_kv(self.model.encoder(pixel_values=pixel_values).last_hidden_state)
+
+    def _cross_kv(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The encoder's output [rows, S, E] as every decoder layer's cross-attention K and V."""
         projection = getattr(self.model, "enc_to_dec_proj", None)
         if projection is not None:
             hidden = projection(hidden)

@@ -61,17 +61,7 @@ class PaddingMaskedDecoder(StaticGreedyDecoder):
         hidden = self.model.encoder(
             pixel_values=pixel_values, attention_mask=mask[:, None, None, :]
         ).last_hidden_state
-        layers = self.decoder.layers
-        keys = torch.stack([self._heads(layer.encoder_attn.k_proj(hidden)) for layer in layers])
-        values = torch.stack([self._heads(layer.encoder_attn.v_proj(hidden)) for layer in layers])
-        source_len = hidden.shape[1]
-        rows = torch.tensor(slots)
-        self.cross_k[..., :source_len, :].index_copy_(1, rows, keys)
-        self.cross_v[..., :source_len, :].index_copy_(1, rows, values)
-        self.source_mask.index_fill_(0, rows, self.neg)
-        self.source_mask[:, 0, 0, :source_len].index_copy_(0, rows, mask)
-        for slot in slots:
-            self._slot_source[slot] = source_len
+        self._store_source(self._cross_kv(hidden), slots, mask)
 
 
 def transcribe(model, tokenizer, spec, strips, width: int = 0, mask: bool = True) -> list[str]:
