@@ -57,7 +57,7 @@ def step_ms(decoder: StaticGreedyDecoder, repeats: int) -> float:
 
 def admit(recognizer: FormulaRecognizer, decoder: StaticGreedyDecoder, items: list) -> int:
     """Admit `items` as the stream would; the longest source among them."""
-    pixels, _ = recognizer._upload(decoder, items)
+    pixels, _, _ = recognizer._upload(decoder, items)
     slots = decoder.admit(pixels)
     return max(decoder._slot_source[slot] for slot in slots)
 

@@ -197,10 +197,19 @@ def main() -> None:
         default=None,
         help="the server's TEXEL_FORMULA__BUCKET_WIDTH (default: the server's)",
     )
+    parser.add_argument(
+        "--admission",
+        default="concurrent",
+        help="comma-separated: concurrent (width groups on lanes of their own, beside the "
+        "steps; the default on CUDA), serial (one after another, behind the steps)",
+    )
     parser.add_argument("--sync-check", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
+    admissions = args.admission.split(",")
+    if not set(admissions) <= {"concurrent", "serial"}:
+        parser.error("--admission takes concurrent and/or serial")
     device = resolve_devices(args.device)[0]
     recognizer = FormulaRecognizer(
         args.model, [device], continuous=True, bucket_step=args.bucket_width
@@ -221,11 +230,15 @@ def main() -> None:
     }
     probe(recognizer, device, items, args.max_batch_size, 2.0)  # warm-up
     records = []
-    for level in (int(c) for c in args.concurrency.split(",")):
-        record = {**base, "concurrency": level}
-        record.update(probe(recognizer, device, items, level, args.duration))
-        print(json.dumps(record), flush=True)
-        records.append(record)
+    decoder = recognizer._decoders[str(device)]
+    for admission in admissions:
+        decoder.concurrent_admission = admission == "concurrent"
+        for level in (int(c) for c in args.concurrency.split(",")):
+            record = {**base, "admission": admission, "concurrency": level}
+            record.update(probe(recognizer, device, items, level, args.duration))
+            print(json.dumps(record), flush=True)
+            records.append(record)
+    decoder.concurrent_admission = admissions[0] == "concurrent"  # for --sync-check
     if args.sync_check and device.type == "cuda":
         level = int(args.concurrency.split(",")[0])
         print(json.dumps({"sync_sites": sync_sites(recognizer, device, items, level, 3.0)}))

@@ -343,34 +343,38 @@ class FormulaRecognizer:
         key = str(decoder.device)
         if key not in self._uploads:
             size = decoder.max_batch_size * self._spec.height * self._spec.max_width
-            self._uploads[key] = _PinnedBuffers(size)
+            self._uploads[key] = _PinnedBuffers(size, decoder.device)
         return self._uploads[key]
 
     def _upload(
-        self, decoder: StaticGreedyDecoder, batch: list[FormulaInput]
-    ) -> tuple[list[torch.Tensor], list[int]]:
-        """The batch's pixels on the device, one group per width bucket, and the order of
-        the batch's items in those groups."""
+        self, decoder: StaticGreedyDecoder, batch: list[FormulaInput], *, aside: bool = False
+    ) -> tuple[list[torch.Tensor], list[int], torch.cuda.Event | None]:
+        """The batch's pixels on the device, one group per width bucket, the order of the
+        batch's items in those groups, and with `aside` (CUDA) the event that marks them
+        done on the upload stream they were made on (which waits for nothing queued)."""
         device = str(decoder.device)
         order = sorted(range(len(batch)), key=lambda i: batch[i].bucket)
         groups: dict[int, list[FormulaInput]] = {}
         for i in order:
             groups.setdefault(batch[i].bucket, []).append(batch[i])
         buffers = self._staging(decoder)
-        staging = None if buffers is None else buffers.acquire()
+        if buffers is None:
+            return [self._pixels(items, device) for items in groups.values()], order, None
+        staging = buffers.acquire()
         pixels, used = [], 0
-        for items in groups.values():
-            pixels.append(self._pixels(items, device, None if staging is None else staging[used:]))
-            used += pixels[-1][:, 0].numel()
-        if buffers is not None:
-            buffers.queued()
-        return pixels, order
+        current = torch.cuda.current_stream(decoder.device)
+        with torch.cuda.stream(buffers.stream if aside else current):
+            for items in groups.values():
+                pixels.append(self._pixels(items, device, staging[used:]))
+                used += pixels[-1][:, 0].numel()
+            done = buffers.queued()
+        return pixels, order, done if aside else None
 
     def _decode_static(
         self, decoder: StaticGreedyDecoder, batch, should_stop, max_new_tokens
     ) -> list[list[int]]:
         """Each bucket of a merged batch encoded at its own width, decoded together."""
-        pixels, order = self._upload(decoder, batch)
+        pixels, order, _ = self._upload(decoder, batch)
         output = decoder.decode(pixels, max_new_tokens=max_new_tokens, should_stop=should_stop)
         rows = output.tolist()
         ids: list[list[int]] = [[] for _ in batch]
@@ -429,8 +433,9 @@ class FormulaRecognizer:
         batch = [payload for _, payload in new]
         try:
             with out_of_memory_as_batching_error():
-                pixels, order = self._upload(decoder, batch)
-                slots = decoder.admit(pixels)
+                # Uploaded and encoded beside the steps already queued, not behind them.
+                pixels, order, ready = self._upload(decoder, batch, aside=True)
+                slots = decoder.admit(pixels, ready=ready)
         except Exception as exc:
             if len(new) == 1:
                 feed.done([(new[0][0], exc)])
@@ -464,12 +469,14 @@ class FormulaRecognizer:
 class _PinnedBuffers:
     """Pinned host buffers for uploads, used in turn: a buffer is written again only
     once the copies queued from it are done, so an upload does not wait for the work
-    queued before it (the run the stream keeps ahead)."""
+    queued before it (the run the stream keeps ahead). Also the device's upload stream,
+    for uploads that must not queue behind that work either."""
 
-    def __init__(self, size: int, count: int = 3) -> None:
+    def __init__(self, size: int, device: torch.device, count: int = 3) -> None:
         self._buffers = [
             torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(count)
         ]
+        self.stream = torch.cuda.Stream(device)
         self._copied: list[torch.cuda.Event | None] = [None] * count
         self._turn = 0
 
@@ -480,12 +487,14 @@ class _PinnedBuffers:
             copied.synchronize()
         return self._buffers[self._turn]
 
-    def queued(self) -> None:
-        """The copies from the acquired buffer are queued: mark their end, move on."""
+    def queued(self) -> torch.cuda.Event:
+        """The copies from the acquired buffer are queued (on the current stream): mark
+        their end, move on. Returns the mark."""
         copied = torch.cuda.Event()
         copied.record()
         self._copied[self._turn] = copied
         self._turn = (self._turn + 1) % len(self._buffers)
+        return copied
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,21 @@ almost every batch, and each new shape cost far more host time than the GPU work
 attention call, at 1-2% GPU utilization). Rows are padded up to a batch bucket,
 so the shapes are few (batch buckets x widths), and `warmup(input_shapes)`
 captures one encoder graph per shape before readiness: its replay writes the
-cross-attention K/V of every decoder layer into one scratch buffer, from which
-the group's rows are copied into place.
+cross-attention K/V of every decoder layer into its width's scratch buffer, from
+which the group's rows are copied into place.
+
+Admitting rows costs the device more than it looks: a join of a dozen rows spans
+several width groups, each one encoder replay of about the same device time whatever
+its rows, and on one stream they queued behind each other and behind the steps. So on
+CUDA each input shape has a lane of its own (a CUDA stream, with its own graphs' memory
+pool and buffers): the groups of one join encode side by side, and when the caller
+uploaded the pixels on a stream of its own (`admit(..., ready=event)`) they do not wait
+for the steps already queued either, and run while those steps do. That is safe
+because a lane writes only free slots: a step computes free slots too but keeps nothing
+it computes for them, and a slot's source mask is replaced in one copy, so a step
+reading it half-written still sees position 0 open and stays finite. Only the row
+state (`positions`, `tokens`, `finished`, ...), which every step writes, is reset on
+the caller's stream, once the lanes are done.
 
 The step reproduces `TrOCRDecoder` exactly (post-LN layers, query scaled by
 head_dim**-0.5 before the dot product, learned or sinusoidal positions), reusing
@@ -56,10 +69,12 @@ the model's own modules and weights, so tokens match
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -191,9 +206,9 @@ class StaticGreedyDecoder:
         self._pool = None
         self._warned_capture = False
         self._encoder_graphs: dict[tuple[int, ...], _EncoderGraph | None] = {}
-        self._encoder_pool = None
-        self._encoder_input: torch.Tensor | None = None  # flat; each graph views a prefix
-        self._encoder_kv: torch.Tensor | None = None  # [2, layers, batch, heads, S, D]
+        self._lanes: dict[tuple[int, ...], _Lane] = {}  # per encoder input shape (CUDA)
+        # Width groups encoded on their shape's lane, side by side (see the module's notes).
+        self.concurrent_admission = self.device.type == "cuda"
 
     def _allocate(self, num_layers: int, eos: list[int]) -> None:
         """The static buffers every step reads and writes."""
@@ -264,7 +279,7 @@ class StaticGreedyDecoder:
             for rows in sorted(_batch_buckets(self.max_batch_size), reverse=True):
                 key = (rows, *shape)
                 if key not in self._encoder_graphs:
-                    self._encoder_graphs[key] = self._capture_encoder(key, shapes[0])
+                    self._encoder_graphs[key] = self._capture_encoder(key)
 
     @torch.inference_mode()
     def decode(
@@ -304,11 +319,19 @@ class StaticGreedyDecoder:
 
     @torch.inference_mode()
     def admit(
-        self, pixel_values: torch.Tensor | list[torch.Tensor], *, max_new_tokens: int | None = None
+        self,
+        pixel_values: torch.Tensor | list[torch.Tensor],
+        *,
+        max_new_tokens: int | None = None,
+        ready: torch.cuda.Event | None = None,
     ) -> list[int]:
         """Encode new rows into the lowest free slots and start them; their slots, in order.
 
         `pixel_values` as for `decode()`. Rows already running go on unchanged.
+        `ready` (CUDA): the pixels were made on another stream, which recorded this event
+        after them; with `concurrent_admission` their encoding then waits for it alone,
+        not for the steps queued on the current stream, and runs while those do. The
+        rows start once both are done.
         """
         limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         if limit > self.max_new_tokens:
@@ -322,11 +345,15 @@ class StaticGreedyDecoder:
                 + (f" with {len(self._live)} rows running" if self._live else "")
             )
         slots = free[:count]
-        first = 0
-        for group in groups:
-            group_slots = slots[first : first + group.shape[0]]
-            self._load_source(group.to(self.device, self.dtype), group_slots)
-            first += group.shape[0]
+        starts = np.cumsum([0] + [group.shape[0] for group in groups]).tolist()
+        parts = [slots[a:b] for a, b in itertools.pairwise(starts)]
+        if self.concurrent_admission and self.device.type == "cuda":
+            self._load_sources_side_by_side(groups, parts, ready)
+        else:
+            if ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(ready)
+            for group, group_slots in zip(groups, parts, strict=True):
+                self._load_source(group.to(self.device, self.dtype), group_slots)
         # index_fill_, not `t[index] = scalar`: on CUDA that copies the scalar from the
         # host and waits for every queued run first.
         index = self._index(slots)
@@ -433,6 +460,33 @@ class StaticGreedyDecoder:
             for finished, end, *tokens in (state[slot] for slot in slots)
         ]
 
+    def _load_sources_side_by_side(
+        self, groups: list[torch.Tensor], parts: list[list[int]], ready: torch.cuda.Event | None
+    ) -> None:
+        """Each width group encoded into its slots on its shape's lane; the current stream
+        then waits for every lane used. Without `ready` the lanes first wait for the
+        current stream (the pixels were made there)."""
+        current = torch.cuda.current_stream(self.device)
+        for group, group_slots in zip(groups, parts, strict=True):
+            lane = self._lane(tuple(group.shape[1:]))
+            if ready is None:
+                lane.stream.wait_stream(current)
+            else:
+                lane.stream.wait_event(ready)
+            with torch.cuda.stream(lane.stream):
+                self._load_source(group.to(self.device, self.dtype), group_slots)
+            if group.is_cuda:  # made on another stream: not reused before the lane reads it
+                group.record_stream(lane.stream)
+            current.wait_stream(lane.stream)
+
+    def _lane(self, shape: tuple[int, ...]) -> _Lane:
+        if shape not in self._lanes:
+            self._lanes[shape] = _Lane(
+                torch.cuda.Stream(self.device),
+                torch.zeros((self.max_batch_size, *shape), device=self.device, dtype=self.dtype),
+            )
+        return self._lanes[shape]
+
     def _load_source(self, pixel_values: torch.Tensor, slots: list[int]) -> None:
         """Encode rows into `slots`: their cross-attention K/V and source mask."""
         count = pixel_values.shape[0]
@@ -458,11 +512,13 @@ class StaticGreedyDecoder:
         rows = self._index(slots)
         self.cross_k[..., :source_len, :].index_copy_(1, rows, kv[0])
         self.cross_v[..., :source_len, :].index_copy_(1, rows, kv[1])
-        self.source_mask.index_fill_(0, rows, self.neg)
-        if mask is None:
-            self.source_mask[..., :source_len].index_fill_(0, rows, 0)
-        else:
-            self.source_mask[:, 0, 0, :source_len].index_copy_(0, rows, mask)
+        # Built aside and copied in at once: a step reading a free slot's mask meanwhile
+        # (concurrent admission) sees its old row or the new one, never one all closed.
+        masks = torch.full(
+            (len(slots), self.max_source_len), self.neg, device=self.device, dtype=self.dtype
+        )
+        masks[:, :source_len] = 0 if mask is None else mask
+        self.source_mask[:, 0, 0].index_copy_(0, rows, masks)
         for slot in slots:
             self._slot_source[slot] = source_len
 
@@ -604,26 +660,21 @@ class StaticGreedyDecoder:
         for _ in range(self.steps_per_run):
             self._step(bucket)
 
-    def _capture_encoder(
-        self, key: tuple[int, ...], largest: tuple[int, int, int]
-    ) -> _EncoderGraph | None:
-        """One encoder graph for `rows` inputs of (channels, height, width), or None."""
+    def _capture_encoder(self, key: tuple[int, ...]) -> _EncoderGraph | None:
+        """One encoder graph for `rows` inputs of (channels, height, width), or None. The
+        graphs of one shape share its lane's input, output and memory pool."""
         try:
-            if self._encoder_input is None:
-                self._encoder_pool = torch.cuda.graph_pool_handle()
-                size = self.max_batch_size * math.prod(largest)
-                self._encoder_input = torch.zeros(size, device=self.device, dtype=self.dtype)
             rows, *shape = key
-            inputs = self._encoder_input[: rows * math.prod(shape)].view(rows, *shape)
-            if self._encoder_kv is None:
-                self._encoder_kv = torch.empty(
-                    (2, *self.cross_k.shape), device=self.device, dtype=self.dtype
-                )
-            source_len = self._encode(inputs[:1]).shape[-2]
-            out = self._encoder_kv[:, :, :rows, :, :source_len]
+            lane = self._lane(tuple(shape))
+            inputs = lane.inputs[:rows]
+            if lane.kv is None:
+                kv_shape = list(self.cross_k.shape)
+                kv_shape[-2] = self._encode(inputs[:1]).shape[-2]  # the source length
+                lane.kv = torch.empty((2, *kv_shape), device=self.device, dtype=self.dtype)
+            out = lane.kv[:, :, :rows]
             graph = _capture_graph(
                 lambda: out.copy_(self._encode(inputs)),
-                self._encoder_pool,
+                lane.pool,
                 self.device,
                 warm=lambda: self._encode(inputs),
                 warmups=2,
@@ -706,6 +757,18 @@ class Snapshot:
         if self.ready is not None:
             self.ready.synchronize()
         return self.state
+
+
+@dataclass
+class _Lane:
+    """One encoder input shape's CUDA stream, and what its graphs share: the input rows,
+    the K/V they write (allocated at the first capture) and their memory pool. Shapes do
+    not share these, so two shapes' graphs can run at once."""
+
+    stream: torch.cuda.Stream
+    inputs: torch.Tensor  # [max_batch, channels, height, width]
+    kv: torch.Tensor | None = None  # [2, layers, max_batch, heads, S, D]
+    pool: Any = field(default_factory=torch.cuda.graph_pool_handle)
 
 
 class _EncoderGraph:
