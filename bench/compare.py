@@ -19,6 +19,7 @@ import base64
 import contextlib
 import functools
 import json
+import math
 import os
 import re
 import shutil
@@ -61,7 +62,8 @@ def json_workload(path: str, images: list[bytes]) -> Workload:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Sums and counts of Texel's batch and stage histograms, to diff around a measurement."""
+    """Sums and counts of Texel's batch and stage histograms, and the stage and request
+    latency buckets, to diff around a measurement."""
     wanted = (
         "texel_batch_size_sum",
         "texel_batch_size_count",
@@ -74,12 +76,19 @@ def scrape(url: str) -> dict[str, float]:
         "texel_request_duration_seconds_count",
         "texel_forwarded_requests_total",
     )
+    buckets = ("texel_stage_duration_seconds_bucket", "texel_request_duration_seconds_bucket")
     values: dict[str, float] = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name not in wanted:
+        if name not in wanted and name not in buckets:
             continue
-        if name.startswith("texel_stage_duration"):  # one series per stage
+        if name in buckets:  # "stage:generate_le:0.1", "request_le:0.1"
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            prefix = "request"
+            if name.startswith("texel_stage"):
+                prefix = "stage:" + line.split('stage="', 1)[1].split('"', 1)[0]
+            name = f"{prefix}_le:{le}"
+        elif name.startswith("texel_stage_duration"):  # one series per stage
             stage = line.split('stage="', 1)[1].split('"', 1)[0]
             name = name.replace("texel_stage_duration_seconds", f"stage:{stage}")
         elif name == "texel_forwarded_requests_total":  # one series per HTTP process
@@ -114,13 +123,44 @@ def texel_extras(before: dict[str, float], after: dict[str, float]) -> dict:
         for key in sorted(after)
         if key.startswith("forwarded:") and requests
     }
+    # Where the tail is: each stage's p99, and the server's own p99 of whole requests
+    # (against the client's, what the network and the client add).
+    p99_ms = {
+        prefix.removeprefix("stage:"): rounded(quantile(0.99, prefix, before, after), 1000, 1)
+        for prefix in [f"stage:{stage}" for stage in stages] + ["request"]
+    }
     return {
         "server_mean_batch_size": rounded(mean("texel_batch_size")),
         "padding_efficiency": rounded(mean("texel_padding_efficiency")),
         "gpu_utilization_end": after.get("texel_gpu_utilization_ratio"),
         "stage_mean_ms": stage_ms,
+        "stage_p99_ms": p99_ms,
         "forwarded_share": forwarded or None,
     }
+
+
+def quantile(
+    q: float, prefix: str, before: dict[str, float], after: dict[str, float]
+) -> float | None:
+    """The q-quantile of a scraped histogram's observations between two scrapes, as
+    Prometheus' histogram_quantile estimates it: linear within the bucket it falls in
+    (the largest finite bound when it falls past every bound)."""
+    key = f"{prefix}_le:"
+    bounds = sorted(
+        (float(k[len(key) :]), after[k] - before.get(k, 0.0)) for k in after if k.startswith(key)
+    )
+    if not bounds or bounds[-1][1] <= 0:
+        return None
+    rank = q * bounds[-1][1]
+    lower, below = 0.0, 0.0
+    for bound, count in bounds:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower
+            share = (rank - below) / (count - below) if count > below else 1.0
+            return lower + (bound - lower) * share
+        lower, below = bound, count
+    return lower
 
 
 class LitServeProcess:

@@ -1,10 +1,11 @@
-"""bench.compare's model-only ceiling: every image decoded once, in width-sorted batches."""
+"""bench.compare: the model-only ceiling (every image decoded once, in width-sorted
+batches), and the stage and request percentiles read from a real server's /metrics."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from bench.compare import model_only, model_only_batches
+from bench.compare import model_only, model_only_batches, quantile, scrape, texel_extras
 from models.formula.preprocess import FormulaInput
 from tests.conftest import formula_png
 
@@ -34,3 +35,28 @@ def test_model_only_runs_the_tiny_model_on_a_cpu(tiny_models):
     results = model_only(str(tiny_models["formula"]), images, [1, 4], budget_s=30)
     assert [r["batch_size"] for r in results] == [1, 4]
     assert all(r["throughput_rps"] > 0 for r in results)
+
+
+def test_quantile_interpolates_within_the_bucket_of_the_rank_as_prometheus_does():
+    before = {"request_le:0.1": 10.0, "request_le:0.2": 10.0, "request_le:+Inf": 10.0}
+    after = {"request_le:0.1": 60.0, "request_le:0.2": 100.0, "request_le:+Inf": 110.0}
+    # 100 new observations: 50 under 0.1 s, 40 in (0.1, 0.2], 10 past every bound.
+    assert quantile(0.5, "request", before, after) == 0.1
+    assert abs(quantile(0.7, "request", before, after) - 0.15) < 1e-9
+    assert quantile(0.99, "request", before, after) == 0.2  # past the largest bound
+    assert quantile(0.99, "request", after, after) is None  # nothing observed between
+
+
+def test_stage_percentiles_come_from_a_real_servers_metrics(server):
+    before = scrape(server.url)
+    with server.client() as client:
+        for i in range(6):
+            files = {"image": ("f.png", formula_png(f"x^{i}"), "image/png")}
+            response = client.post("/recognize", files=files)
+            assert response.status_code == 200, response.text
+    extras = texel_extras(before, scrape(server.url))
+    p99 = extras["stage_p99_ms"]
+    assert {"generate", "preprocess", "queue.wait", "request"} <= set(p99)
+    assert all(value is not None and value >= 0 for value in p99.values())
+    # A whole request takes longer than any one of its stages, so its p99 does too.
+    assert p99["request"] >= max(value for stage, value in p99.items() if stage != "request")
