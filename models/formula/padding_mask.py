@@ -6,11 +6,12 @@ the width its batch was padded to.
 The served model attends to the white padding of its bucket (the encoder has no mask,
 and the decoder's cross-attention reads every position of the padded strip), so the
 same image can decode differently padded to 128 or to 1024 px. That is why a stream
-encodes each width group of joining rows with its own encoder call, and on a GPU those
-calls, about 0.6 ms each whatever their rows, cost as much as the decoding steps
-(README, Benchmarks). With the padding masked (the encoder's attention and the
-decoder's cross-attention both skip every patch column past a row's content), all
-rows of a join could share one encoder call at the widest width.
+encodes each width group of joining rows with its own encoder call (about 0.6 ms of
+device time each on an H200, whatever their rows; since concurrent admission they run
+side by side and beside the decoding steps, README, Benchmarks). With the padding
+masked (the encoder's attention and the decoder's cross-attention both skip every
+patch column past a row's content), all rows of a join could share one encoder call at
+the widest width.
 
 This decodes the dev split with Texel's static decoder on the CPU in width-sorted
 batches of 32, each padded to its 64 px bucket (or to `--width`), with the padding
