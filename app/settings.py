@@ -24,7 +24,11 @@ class ModelSettings(BaseModel):
     )
     max_batch_size: int = Field(8, ge=1, le=1024, description="Largest batch run at once.")
     max_wait_ms: float = Field(
-        10.0, ge=0, description="How long the first request of a bucket waits for company."
+        10.0,
+        ge=0,
+        description="How long the first request of a bucket waits for company before its "
+        "batch runs. A continuous stream (formulas, static decoder) starts at once instead: "
+        "later requests join it at its next check.",
     )
     max_queue: int = Field(
         256, ge=1, description="Requests waiting for a batch before new ones get 429."

@@ -6,7 +6,8 @@ whenever a worker is idle and the policy says a bucket is ready, and hands the
 batch to that worker's thread so the event loop stays free for HTTP.
 
 A worker with a `stream` runner batches continuously (`batching.stream`): the
-first batch starts a stream as above, and while it runs the scheduler hands it
+first request starts a stream at once (no wait for company, which can join it at its
+next check), and while it runs the scheduler hands it
 every queued request it has room for, at once, whatever its bucket; each
 request's answer returns the moment its row finishes.
 """
@@ -342,7 +343,9 @@ class Batcher:
             self._fail(item, DeadlineExceeded("the request waited past its deadline"), "deadline")
         self._top_up_streams()
         while self._idle:
-            plan = self._queue.next_batch(now, self._draining, self._idle_since())
+            # A stream takes company at every check, so waiting for it buys nothing.
+            at_once = self._draining or self._idle[-1].stream is not None
+            plan = self._queue.next_batch(now, at_once, self._idle_since())
             if plan is None:
                 break
             self._launch(self._idle.pop(), plan)

@@ -101,6 +101,21 @@ async def test_requests_join_a_running_stream_and_leave_as_they_finish():
     await batcher.close()
 
 
+async def test_a_lone_request_starts_a_stream_at_once_and_later_ones_join_it():
+    stream = FakeStream()
+    batcher = make_batcher(stream, max_wait_s=5.0)  # a batch would wait 5 s for company
+    started = time.monotonic()
+    first = asyncio.create_task(batcher.submit((1, 20), bucket=0, timeout_s=30))
+    await asyncio.sleep(0.02)
+    second = await batcher.submit((2, 1), bucket=1, timeout_s=30)
+    assert second.value == 4
+    assert second.batch_size == 2, "it joined the running stream"
+    assert (await first).value == 2
+    assert time.monotonic() - started < 2.0, "no request waited max_wait_s"
+    assert stream.joins == [1, 1]
+    await batcher.close()
+
+
 async def test_a_failing_stream_fails_its_requests_and_the_next_one_starts_afresh():
     batcher = make_batcher(FakeStream())
     long = asyncio.create_task(batcher.submit((1, 100), bucket=0, timeout_s=30))
