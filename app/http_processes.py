@@ -35,7 +35,7 @@ from typing import Any
 
 from app.channel import Channel, ChannelClosed
 from app.errors import ApiError
-from app.serving import Runtime, ServedModel, build_models
+from app.serving import Runtime, ServedModel, build_models, freeze_heap
 from app.settings import Settings
 from batching import BatchResult, exit_with_parent
 from telemetry import metrics
@@ -336,6 +336,8 @@ class HttpProcessRuntime(Runtime):
         for model in self.models.values():
             model.channel = self.channel
         await self._prepare()
+        if self.settings.gc_freeze:
+            freeze_heap()
         await self.channel.call("joined")
         self.loader = asyncio.get_running_loop().create_task(self._follow())
 

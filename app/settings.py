@@ -175,6 +175,11 @@ class Settings(BaseSettings):
         "when a model runs on a GPU (its worker reacquires the interpreter lock after "
         "every GPU synchronization), else Python's default (5).",
     )
+    gc_freeze: bool = Field(
+        True,
+        description="Once ready, put the objects alive in each HTTP process out of the "
+        "garbage collector's reach (gc.freeze), so its collections during requests are short.",
+    )
     formula: FormulaSettings = Field(default_factory=FormulaSettings)
     image: ImageSettings = Field(default_factory=ImageSettings)
 

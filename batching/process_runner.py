@@ -28,6 +28,7 @@ nothing new, so a request in flight on the pipe is never dropped.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
@@ -229,6 +230,10 @@ def _serve(build: Build, conn, stop, parent_pid: int, report: Report | None = No
         conn.send(("error", picklable(exc)))
         return
     stream = getattr(run, "stream", None)
+    # The model and its libraries live as long as the process: keep the garbage
+    # collector's full collections from scanning them between batches.
+    gc.collect()
+    gc.freeze()
     _send_report(conn, report)
     conn.send(("ready", (info, stream is not None)))
     while True:

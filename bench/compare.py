@@ -75,8 +75,16 @@ def scrape(url: str) -> dict[str, float]:
         "texel_request_duration_seconds_sum",
         "texel_request_duration_seconds_count",
         "texel_forwarded_requests_total",
+        "texel_gc_pause_seconds_sum",
+        "texel_gc_pause_seconds_count",
     )
-    buckets = ("texel_stage_duration_seconds_bucket", "texel_request_duration_seconds_bucket")
+    # Histograms whose quantiles are wanted, and the prefix of each one's buckets.
+    buckets = {
+        "texel_stage_duration_seconds_bucket": "stage",
+        "texel_request_duration_seconds_bucket": "request",
+        "texel_event_loop_lag_seconds_bucket": "event_loop_lag",
+        "texel_gc_pause_seconds_bucket": "gc_pause",  # every generation together
+    }
     values: dict[str, float] = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
@@ -84,8 +92,8 @@ def scrape(url: str) -> dict[str, float]:
             continue
         if name in buckets:  # "stage:generate_le:0.1", "request_le:0.1"
             le = line.split('le="', 1)[1].split('"', 1)[0]
-            prefix = "request"
-            if name.startswith("texel_stage"):
+            prefix = buckets[name]
+            if prefix == "stage":
                 prefix = "stage:" + line.split('stage="', 1)[1].split('"', 1)[0]
             name = f"{prefix}_le:{le}"
         elif name.startswith("texel_stage_duration"):  # one series per stage
@@ -129,12 +137,20 @@ def texel_extras(before: dict[str, float], after: dict[str, float]) -> dict:
         prefix.removeprefix("stage:"): rounded(quantile(0.99, prefix, before, after), 1000, 1)
         for prefix in [f"stage:{stage}" for stage in stages] + ["request"]
     }
+    gc_count = after.get("texel_gc_pause_seconds_count", 0) - before.get(
+        "texel_gc_pause_seconds_count", 0
+    )
     return {
         "server_mean_batch_size": rounded(mean("texel_batch_size")),
         "padding_efficiency": rounded(mean("texel_padding_efficiency")),
         "gpu_utilization_end": after.get("texel_gpu_utilization_ratio"),
         "stage_mean_ms": stage_ms,
         "stage_p99_ms": p99_ms,
+        # The HTTP processes' event loops and garbage collectors, summed over processes.
+        "event_loop_lag_p99_ms": rounded(quantile(0.99, "event_loop_lag", before, after), 1000, 1),
+        "gc_pauses": int(gc_count),
+        "gc_pause_mean_ms": rounded(mean("texel_gc_pause_seconds"), 1000, 2),
+        "gc_pause_p99_ms": rounded(quantile(0.99, "gc_pause", before, after), 1000, 2),
         "forwarded_share": forwarded or None,
     }
 

@@ -34,7 +34,8 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"texel-test-{self.port}.log"
-        full_env = {**os.environ, "OTEL_SDK_DISABLED": "false", **env}
+        # Tracing on unless this environment (which benchmark records name) turns it off.
+        full_env = {"OTEL_SDK_DISABLED": "false", **os.environ, **env}
         full_env.setdefault("TEXEL_LOG_FORMAT", "text")
         self._log = self.log_path.open("wb")
         # `profile`: run under cProfile, whose stats cover the main thread, where

@@ -16,6 +16,7 @@ names the quadrant:
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -40,6 +41,25 @@ async def watch_event_loop(interval_s: float = LOOP_LAG_INTERVAL_S) -> None:
         due = loop.time() + interval_s
         await asyncio.sleep(interval_s)
         metrics.EVENT_LOOP_LAG.observe(max(0.0, loop.time() - due))
+
+
+def watch_garbage_collector() -> None:
+    """Time every collection of Python's cyclic garbage collector in this process (once)."""
+    if _time_collection in gc.callbacks:
+        return
+    gc.callbacks.append(_time_collection)
+
+
+_collection_started: list[float] = []
+
+
+def _time_collection(phase: str, info: dict) -> None:
+    # Collections never nest: the collector holds the interpreter lock from start to stop.
+    if phase == "start":
+        _collection_started[:] = [time.perf_counter()]
+    elif _collection_started:
+        elapsed = time.perf_counter() - _collection_started.pop()
+        metrics.GC_PAUSE.labels(str(info.get("generation", ""))).observe(elapsed)
 
 
 def loop_lag_totals(families: Iterable[Metric] | None = None) -> tuple[float, float]:

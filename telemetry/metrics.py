@@ -124,6 +124,20 @@ EVENT_LOOP_LAG = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
     registry=REGISTRY,
 )
+GC_PAUSE = Histogram(
+    "texel_gc_pause_seconds",
+    "Collections of Python's cyclic garbage collector in an HTTP process, by generation: "
+    "every thread of the process waits while one runs (TEXEL_GC_FREEZE).",
+    ["generation"],
+    buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
+    registry=REGISTRY,
+)
+GC_FROZEN = Gauge(
+    "texel_gc_frozen_objects",
+    "Objects the serving process put out of the garbage collector's reach once ready "
+    "(TEXEL_GC_FREEZE; 0 when off).",
+    registry=REGISTRY,
+)
 MODEL_READY = Gauge(
     "texel_model_ready",
     "1 once a model is loaded and warmed up.",
@@ -157,6 +171,7 @@ PER_HTTP_PROCESS = (
     DENOISING_STEP,
     IMAGES_GENERATED,
     EVENT_LOOP_LAG,
+    GC_PAUSE,
 )
 
 

@@ -60,3 +60,5 @@ def test_stage_percentiles_come_from_a_real_servers_metrics(server):
     assert all(value is not None and value >= 0 for value in p99.values())
     # A whole request takes longer than any one of its stages, so its p99 does too.
     assert p99["request"] >= max(value for stage, value in p99.items() if stage != "request")
+    assert extras["event_loop_lag_p99_ms"] is not None  # sampled every 100 ms
+    assert extras["gc_pauses"] >= 0

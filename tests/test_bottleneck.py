@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import threading
 import time
@@ -147,6 +148,34 @@ def test_the_server_reports_event_loop_lag(server):
     assert "texel_event_loop_lag_seconds_count" in text
     count = [ln for ln in text.splitlines() if ln.startswith("texel_event_loop_lag_seconds_count")]
     assert float(count[0].rsplit(" ", 1)[1]) > 0
+
+
+def test_each_garbage_collection_is_timed_by_generation():
+    from telemetry import metrics
+    from telemetry.bottleneck import watch_garbage_collector
+
+    def count(generation: str) -> float:
+        return metrics.GC_PAUSE.labels(generation)._sum.get(), sum(
+            bucket.get() for bucket in metrics.GC_PAUSE.labels(generation)._buckets
+        )
+
+    watch_garbage_collector()
+    watch_garbage_collector()  # installs one callback, however often it is called
+    _, before = count("2")
+    gc.collect()
+    total, after = count("2")
+    assert after == before + 1
+    assert total > 0
+
+
+def test_the_server_reports_its_garbage_collections(server):
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        text = client.get("/metrics").text
+    lines = text.splitlines()
+    counts = [ln for ln in lines if ln.startswith("texel_gc_pause_seconds_count")]
+    assert sum(float(ln.rsplit(" ", 1)[1]) for ln in counts) >= 1  # start-up runs many
+    frozen = [ln for ln in lines if ln.startswith("texel_gc_frozen_objects ")]
+    assert float(frozen[0].rsplit(" ", 1)[1]) > 10_000, "the start-up heap is frozen once ready"
 
 
 async def test_the_cpu_of_worker_processes_counts():
