@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,11 +57,30 @@ def start_worker(adapter_class, options: dict, device: str, max_batch_size: int)
     return adapter.runner(target), adapter.worker_info(target)
 
 
-def resolve_dtype(setting: str, device: torch.device, half: torch.dtype) -> torch.dtype:
-    """`auto` is `half` (fp16/bf16) on a GPU and fp32 on the CPU."""
+def resolve_dtype(
+    setting: str, device: torch.device, half: torch.dtype, cpu_half: torch.dtype | None = None
+) -> torch.dtype:
+    """`auto` is `half` (fp16/bf16) on a GPU; on the CPU, `cpu_half` where the processor
+    multiplies bf16 natively (`cpu_has_native_bf16`), else fp32."""
     if setting == "auto":
-        return half if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return half
+        return cpu_half if cpu_half is not None and cpu_has_native_bf16() else torch.float32
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[setting]
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this processor has bf16 matrix instructions (AVX512-BF16 or AMX-BF16), which
+    oneDNN uses for bf16 matrix multiplies; elsewhere bf16 is emulated and no faster."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: keep fp32
+        return False
+    flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from batching import OutOfMemory
-from models.devices import model_name, out_of_memory_as_batching_error, resolve_devices
+from models.devices import (
+    cpu_has_native_bf16,
+    model_name,
+    out_of_memory_as_batching_error,
+    resolve_devices,
+    resolve_dtype,
+)
 
 
 def test_auto_falls_back_to_the_cpu_without_cuda():
@@ -34,3 +40,13 @@ def test_shipped_models_are_named_after_their_task(tmp_path):
     assert model_name(str(tmp_path / "formula" / "default")) == "texel-formula"
     assert model_name("org/some-model") == "org/some-model"
     assert model_name("org/some-model", "custom") == "custom"
+
+
+def test_auto_dtype_is_bf16_on_a_cpu_only_where_asked_and_native():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert resolve_dtype("auto", gpu, torch.float16) == torch.float16
+    assert resolve_dtype("auto", cpu, torch.float16) == torch.float32
+    native = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert resolve_dtype("auto", cpu, torch.bfloat16, torch.bfloat16) == native
+    assert resolve_dtype("float32", cpu, torch.bfloat16, torch.bfloat16) == torch.float32
+    assert resolve_dtype("bfloat16", cpu, torch.float16) == torch.bfloat16

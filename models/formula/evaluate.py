@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from models.devices import resolve_dtype
 from models.formula.data import (
     BUCKET_STEP,
     load_strips,
@@ -106,13 +107,14 @@ def score(references: Sequence[str], hypotheses: Sequence[str]) -> Scores:
     )
 
 
-def load_model(model_dir: str | Path, device: str = "cpu"):
-    """Model, tokenizer and image spec, loaded the way the server loads them."""
+def load_model(model_dir: str | Path, device: str = "cpu", dtype: str = "float32"):
+    """Model, tokenizer and image spec, loaded the way the server loads them (`dtype` as
+    `TEXEL_DTYPE`: auto, float32, float16 or bfloat16)."""
     from transformers import AutoTokenizer, VisionEncoderDecoderModel
 
-    model = VisionEncoderDecoderModel.from_pretrained(model_dir).to(device).eval()
-    if device == "cpu":
-        model = model.float()
+    torch_dtype = resolve_dtype(dtype, torch.device(device), torch.bfloat16, torch.bfloat16)
+    model = VisionEncoderDecoderModel.from_pretrained(model_dir, dtype=torch_dtype)
+    model = model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     spec = FormulaImageSpec.from_pretrained(model_dir, channels=model.config.encoder.num_channels)
     return model, tokenizer, spec
@@ -220,6 +222,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "float16", "bfloat16"),
+        default="float32",
+        help="as TEXEL_DTYPE (auto: what the server picks on this device)",
+    )
+    parser.add_argument(
         "--latency", action="store_true", help="also time one typical formula on 2 CPU threads"
     )
     parser.add_argument(
@@ -237,17 +245,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     chosen = {"dev": dev, "train": train, "all": samples}[args.split]
     if args.limit:
         chosen = chosen[: args.limit]
-    model, tokenizer, spec = load_model(args.model, args.device)
+    model, tokenizer, spec = load_model(args.model, args.device, args.dtype)
     strips = load_strips(args.data, chosen, spec)
     start = time.perf_counter()
     hypotheses = recognize(model, tokenizer, spec, strips, args.batch_size, args.bucket_width)
     elapsed = time.perf_counter() - start
     references = [s.formula for s in chosen]
     result = score(references, hypotheses)
-    extra = {"split": args.split, "decode time": f"{elapsed:.1f} s on {args.device}"}
+    extra = {
+        "split": args.split,
+        "decode time": f"{elapsed:.1f} s on {args.device}, {model.dtype}".replace("torch.", ""),
+    }
     if args.latency:
         torch.set_num_threads(2)
-        model = model.to("cpu").float()
+        cpu = torch.device("cpu")
+        model = model.to(cpu, resolve_dtype(args.dtype, cpu, torch.bfloat16, torch.bfloat16))
         lengths = [len(r.split()) for r in references]
         typical = int(np.argsort(lengths)[len(lengths) // 2])
         times = single_latency_ms(model, spec, strips[typical])
