@@ -341,7 +341,7 @@ class Batcher:
         now = self._clock()
         for item in self._queue.expire(now):
             self._fail(item, DeadlineExceeded("the request waited past its deadline"), "deadline")
-        self._top_up_streams()
+        # Idle workers first: a device with nothing queued on it is the least loaded.
         while self._idle:
             # A stream takes company at every check, so waiting for it buys nothing.
             at_once = self._draining or self._idle[-1].stream is not None
@@ -349,6 +349,7 @@ class Batcher:
             if plan is None:
                 break
             self._launch(self._idle.pop(), plan)
+        self._top_up_streams()
         self._observer.queue_depth(self.name, len(self._queue))
         if not self._queue and not self._inflight:
             self._idle_event.set()
@@ -395,12 +396,24 @@ class Batcher:
     # -- streams (continuous batching) ---------------------------------------
 
     def _top_up_streams(self) -> None:
-        """Hand queued requests to running streams with room, at once, any bucket."""
-        for feed in self._streams.values():
-            room = self.policy.max_batch_size - feed.holding
-            if not self._queue or room <= 0:
+        """Hand queued requests to running streams with room, at once, any bucket: each
+        request, oldest first, to the stream whose device has the least predicted work
+        queued (`Feed.load`, from the requests' costs), so several devices share the
+        work by what it costs rather than by request count."""
+        limit = self.policy.max_batch_size
+        room = {feed: limit - feed.holding for feed in self._streams.values()}
+        room = {feed: free for feed, free in room.items() if free > 0}
+        if not self._queue or not room:
+            return
+        load = {feed: feed.load for feed in room}
+        handed: dict[Feed, list[Pending]] = {feed: [] for feed in room}
+        for item in self._queue.take_oldest(sum(room.values())):
+            feed = min((f for f in room if len(handed[f]) < room[f]), key=load.__getitem__)
+            handed[feed].append(item)
+            load[feed] += item.cost
+        for feed, items in handed.items():
+            if not items:
                 continue
-            items = self._queue.take_oldest(room)
             if feed.offer(items):
                 for item in items:
                     item.state = State.RUNNING
@@ -487,6 +500,7 @@ class Batcher:
             if not item.future.done():
                 item.future.set_result(outcome)
         feed.delivered += len(answered)
+        feed.delivered_cost += sum(item.cost for item, *_ in answered)
         self._drain_rate.record(self._clock(), len(answered))
         self._wake()
 

@@ -86,6 +86,8 @@ class Feed:
         self._closed = False
         self.offered = 0  # by the scheduler; minus `delivered`, what the stream holds
         self.delivered = 0
+        self.offered_cost = 0.0  # the same in predicted cost (`Pending.cost`)
+        self.delivered_cost = 0.0
 
     # -- the scheduler's side (event loop) ------------------------------------
 
@@ -96,12 +98,18 @@ class Feed:
                 return False
             self._inbox.extend(items)
             self.offered += len(items)
+            self.offered_cost += sum(item.cost for item in items)
             return True
 
     @property
     def holding(self) -> int:
         """Requests offered to the stream and not yet answered."""
         return self.offered - self.delivered
+
+    @property
+    def load(self) -> float:
+        """The predicted cost of the requests it holds: the work queued on its device."""
+        return max(0.0, self.offered_cost - self.delivered_cost) if self.holding else 0.0
 
     def leftovers(self) -> tuple[list[Pending], list[Pending]]:
         """Once the stream has ended: the requests offered and never taken (to queue

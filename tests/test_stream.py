@@ -322,6 +322,29 @@ async def test_two_devices_each_run_a_stream_once_the_first_is_full():
     await batcher.close()
 
 
+async def test_requests_go_to_the_device_with_the_least_predicted_work_not_the_fewest_requests():
+    """Two devices (fake): one holds a single expensive request, the other cheap ones;
+    new cheap requests keep going to the second while its queued cost is the lower."""
+    streams = [FakeStream(rows=8), FakeStream(rows=8)]
+    workers = [Worker(f"dev{i}", _no_batches, stream=stream) for i, stream in enumerate(streams)]
+    policy = BatchPolicy(max_batch_size=8, max_wait_s=0.001, max_queue=64, merge_buckets=True)
+    batcher = Batcher("two", workers, policy)
+    batcher.start()
+    expensive = asyncio.create_task(batcher.submit((0, 60), bucket=0, cost=10.0, timeout_s=30))
+    await asyncio.sleep(0.02)
+    cheap = []
+    for i in range(1, 6):  # each one queued alone, the others still decoding
+        cheap.append(asyncio.create_task(batcher.submit((i, 40), bucket=0, timeout_s=30)))
+        await asyncio.sleep(0.01)
+    results = await asyncio.gather(*cheap)
+    first = await expensive
+    assert [r.value for r in results] == [2 * i for i in range(1, 6)]
+    assert {r.worker for r in results} == {"dev1"} != {first.worker}, (
+        "five cheap requests cost less than the expensive one's 10"
+    )
+    await batcher.close()
+
+
 async def test_a_stream_that_fails_before_taking_fails_its_requests_at_once():
     """Not queued again (a worker that cannot start would loop until the deadline)."""
     calls = []
