@@ -15,7 +15,14 @@ import json
 import time
 from pathlib import Path
 
-from bench.common import append_records, commit, formula_images, machine, otlp_sink
+from bench.common import (
+    append_records,
+    commit,
+    formula_images,
+    machine,
+    otlp_sink,
+    settings_env,
+)
 from bench.load import LoadResult, Workload, closed_loop
 from bench.server import ROOT, ServerProcess
 
@@ -89,7 +96,11 @@ def run(args: argparse.Namespace) -> list[dict]:
                     "machine": machine(),
                     "commit": commit(),
                     "command": "python -m bench.cpu " + " ".join(args.argv),
-                    "env": {k: v for k, v in env.items() if k.startswith(("TEXEL_", "OTEL_"))},
+                    # What the server ran with: this environment's settings and the run's.
+                    "env": {
+                        **settings_env(),
+                        **{k: v for k, v in env.items() if k.startswith(("TEXEL_", "OTEL_"))},
+                    },
                     "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 }
                 records.append(record)
