@@ -51,7 +51,7 @@ bench-gpu: install
 	$(PY) -m bench.equivalence --data $(DATA) --images 500 --batch-size 128 --out bench/results/equivalence.jsonl
 	$(PY) -m bench.compare --data $(DATA) --concurrency 1,8,32,128,256 --duration 10 --warmup 2 \
 		--max-batch-size 128 --client-processes 4
-	$(PY) -m bench.compare_image --size sd15 --batch-sizes 1,4,8 --steps 20
+	$(PY) -m bench.compare_image --size sd15 --batch-sizes 1,4,8 --steps 20 --full-load
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
