@@ -180,6 +180,9 @@ class Batcher:
         # When each idle worker became free: a bucket's wait counts from then at the
         # earliest (BatchPolicy). Never busy yet: free since forever.
         self._free_since: dict[str, float] = {w.name: -math.inf for w in self._workers}
+        # How many requests each idle worker's last batch held: their clients may be on
+        # their way back (BatchPolicy.max_rejoin_s). A stream's count is 0.
+        self._returning: dict[str, int] = {w.name: 0 for w in self._workers}
         self._executors: dict[str, Executor] = {}
         self._owned: list[ThreadPoolExecutor] = []
         for w in self._workers:
@@ -331,7 +334,7 @@ class Batcher:
             except Exception:  # a bug here must not silently stall every request
                 log.exception("batcher %s: scheduling step failed", self.name)
             # With every worker busy only deadlines matter: a finishing batch wakes us.
-            wakeup = self._queue.next_wakeup(bool(self._idle), self._idle_since())
+            wakeup = self._queue.next_wakeup(bool(self._idle), self._idle_since(), self._awaited())
             timeout = None if wakeup is None else max(0.0, wakeup - self._clock())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
@@ -345,7 +348,7 @@ class Batcher:
         while self._idle:
             # A stream takes company at every check, so waiting for it buys nothing.
             at_once = self._draining or self._idle[-1].stream is not None
-            plan = self._queue.next_batch(now, at_once, self._idle_since())
+            plan = self._queue.next_batch(now, at_once, self._idle_since(), self._awaited())
             if plan is None:
                 break
             self._launch(self._idle.pop(), plan)
@@ -357,6 +360,10 @@ class Batcher:
     def _idle_since(self) -> float:
         """Since when the longest-idle worker has been free (+inf with none idle)."""
         return min((self._free_since[w.name] for w in self._idle), default=math.inf)
+
+    def _awaited(self) -> int:
+        """How many requests the batch of the next worker to launch held (0: none idle)."""
+        return self._returning[self._idle[-1].name] if self._idle else 0
 
     def _launch(self, worker: Worker, plan: BatchPlan) -> None:
         self._idle_event.clear()
@@ -384,12 +391,13 @@ class Batcher:
             item.state = State.DONE
             if not item.future.done():
                 item.future.set_result(outcome)
-        self._worker_free(worker)
+        self._worker_free(worker, returning=len(plan.items))
 
-    def _worker_free(self, worker: Worker) -> None:
-        """A worker's batch or stream is over: it takes the next one."""
+    def _worker_free(self, worker: Worker, returning: int = 0) -> None:
+        """A worker's batch (of `returning` requests) or stream is over: it takes the next."""
         self._inflight -= 1
         self._free_since[worker.name] = self._clock()
+        self._returning[worker.name] = returning
         self._idle.append(worker)
         self._wake()
 

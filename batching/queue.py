@@ -48,8 +48,12 @@ class BatchPolicy:
     request queued while every worker was busy, when that should be longer than
     `max_wait_s`: long enough for the finished batch's clients to send their next
     requests (for a model whose batch takes a second, some tens of milliseconds of
-    HTTP and encoding). A request that finds a worker idle still waits `max_wait_s`
-    only, so a lone user pays nothing for it.
+    HTTP and encoding). The same window lets a worker that just finished a batch of
+    `k` requests wait for `k` to be queued again (`awaited`): with as many clients as
+    the batch holds, none queues while it runs, and without it the first clients back
+    would launch a part batch and the rest the next, two cohorts for good. It launches
+    as soon as they are back, so a lone user (a batch of one) waits for nothing, not
+    even `max_wait_s`.
     """
 
     max_batch_size: int = 8
@@ -162,18 +166,41 @@ class BucketQueue:
         return expired
 
     def is_ready(
-        self, bucket: Hashable, now: float, flush: bool = False, free_since: float = -math.inf
+        self,
+        bucket: Hashable,
+        now: float,
+        flush: bool = False,
+        free_since: float = -math.inf,
+        awaited: int = 0,
     ) -> bool:
-        """Whether `bucket` launches now; `free_since`: since when a worker has been idle."""
+        """Whether `bucket` launches now; `free_since`: since when a worker has been idle,
+        `awaited`: how many requests the batch it finished held (BatchPolicy)."""
         items = self._buckets.get(bucket)
         if not items:
             return False
-        queued = self._size if self.policy.merge_buckets else len(items)
+        queued = self._queued(items)
         if flush or queued >= self.policy.max_batch_size:
             return True
-        return now >= self._launch_time(items, free_since)
+        if (
+            awaited
+            and self.policy.max_rejoin_s
+            and queued >= self._expected(items, free_since, awaited)
+        ):
+            return True  # the finished batch's clients are back
+        return now >= self._launch_time(items, free_since, awaited)
 
-    def _launch_time(self, items: deque[Pending], free_since: float) -> float:
+    def _queued(self, items: deque[Pending]) -> int:
+        """How many requests a batch launched from this bucket could take now."""
+        return self._size if self.policy.merge_buckets else len(items)
+
+    def _expected(self, items: deque[Pending], free_since: float, awaited: int) -> int:
+        """How many requests this bucket's batch may hold once the `awaited` clients of
+        the finished batch are back: those that queued behind it, plus them."""
+        queues = self._buckets.values() if self.policy.merge_buckets else [items]
+        behind = sum(1 for q in queues for item in q if item.enqueued_at < free_since)
+        return min(self.policy.max_batch_size, behind + awaited)
+
+    def _launch_time(self, items: deque[Pending], free_since: float, awaited: int = 0) -> float:
         """When a bucket that does not fill up launches (is_ready and next_wakeup agree)."""
         policy = self.policy
         start = max(items[0].enqueued_at, free_since)
@@ -182,10 +209,14 @@ class BucketQueue:
             wait = max(wait, policy.max_rejoin_s)
         paused = max(self._latest_arrival(items), free_since) + policy.max_wait_s
         cap = start + wait + policy.max_linger_s
-        return max(start + wait, min(paused, cap))
+        launch = max(start + wait, min(paused, cap))
+        if awaited and self._queued(items) < self._expected(items, free_since, awaited):
+            # Some of the finished batch's clients may still be on their way back.
+            launch = max(launch, free_since + policy.max_rejoin_s)
+        return launch
 
     def next_batch(
-        self, now: float, flush: bool = False, free_since: float = -math.inf
+        self, now: float, flush: bool = False, free_since: float = -math.inf, awaited: int = 0
     ) -> BatchPlan | None:
         """Pop the next batch, or None if no bucket is ready.
 
@@ -193,7 +224,9 @@ class BucketQueue:
         a rare shape is not starved by a busy one. `flush` (used while draining)
         makes every non-empty bucket ready.
         """
-        ready = [key for key in self._buckets if self.is_ready(key, now, flush, free_since)]
+        ready = [
+            key for key in self._buckets if self.is_ready(key, now, flush, free_since, awaited)
+        ]
         if not ready:
             return None
         key = min(ready, key=lambda k: min(item.deadline for item in self._buckets[k]))
@@ -221,7 +254,9 @@ class BucketQueue:
             self._size += 1
             self._cost += item.cost
 
-    def next_wakeup(self, include_wait: bool = True, free_since: float = -math.inf) -> float | None:
+    def next_wakeup(
+        self, include_wait: bool = True, free_since: float = -math.inf, awaited: int = 0
+    ) -> float | None:
         """The earliest time at which a bucket's wait runs out or a deadline passes.
 
         Without `include_wait` only deadlines count: a scheduler with no idle worker
@@ -230,7 +265,7 @@ class BucketQueue:
         times = []
         for items in self._buckets.values():
             if include_wait:
-                times.append(self._launch_time(items, free_since))
+                times.append(self._launch_time(items, free_since, awaited))
             times.append(min(item.deadline for item in items))
         return min(times, default=None)
 

@@ -265,6 +265,33 @@ async def test_answers_of_one_batch_and_requests_queued_behind_it_merge_into_one
     assert sum(sizes) == 24
 
 
+async def test_a_finished_batchs_clients_that_come_back_one_by_one_run_together_again():
+    """As many clients as a batch holds: none queues while it runs, and they come back
+    spread over more than `max_wait_s`. The worker waits (up to `max_rejoin_s`) until
+    as many are back as its batch held, instead of launching the first ones alone."""
+    model = FakeModel(delay_s=0.1)
+    batcher = make_batcher(model, max_batch_size=4, max_wait_s=0.01, max_rejoin_s=0.5)
+
+    async def client(return_s: float) -> None:
+        for _ in range(3):
+            await batcher.submit(1, bucket="b", timeout_s=5)
+            await asyncio.sleep(return_s)  # taking the answer, preparing the next request
+
+    await asyncio.gather(*(client(return_s) for return_s in (0.0, 0.04, 0.08, 0.12)))
+    await batcher.close()
+    assert [len(batch) for batch in model.batches] == [4, 4, 4]
+
+
+async def test_a_lone_user_waits_for_no_company_once_their_batch_is_back():
+    model = FakeModel()
+    batcher = make_batcher(model, max_batch_size=4, max_wait_s=0.3, max_rejoin_s=1.0)
+    await batcher.submit(1, bucket="b", timeout_s=5)  # the first waits max_wait_s
+    started = time.monotonic()
+    await batcher.submit(2, bucket="b", timeout_s=5)
+    assert time.monotonic() - started < 0.2, "their batch of one is back: it runs at once"
+    await batcher.close()
+
+
 async def test_the_scheduler_sleeps_while_every_worker_is_busy():
     """Ready buckets with no idle worker must not spin the event loop (it starves compute)."""
     model = FakeModel(delay_s=0.6)
