@@ -308,12 +308,14 @@ def test_default_model_matches_generate_on_real_images() -> None:
     assert got.shape == expected.shape
 
 
-def test_merged_widths_decode_as_each_row_would_alone(tiny_model_dir) -> None:
-    """The served path: a batch mixing width buckets gives every row its solo tokens."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_merged_widths_decode_as_each_row_would_alone(tiny_model_dir, dtype: str) -> None:
+    """The served path: a batch mixing width buckets gives every row its solo tokens, in
+    fp32 and in bf16 (whose KV cache and attention stay fp32 on a CPU)."""
     from models.formula.adapter import FormulaInput, FormulaRecognizer
 
     cpu = torch.device("cpu")
-    recognizer = FormulaRecognizer(str(tiny_model_dir), [cpu], decoder="static")
+    recognizer = FormulaRecognizer(str(tiny_model_dir), [cpu], decoder="static", dtype=dtype)
     recognizer.load()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():  # large cross-attention, so tokens depend on the image and its padding
@@ -323,6 +325,9 @@ def test_merged_widths_decode_as_each_row_would_alone(tiny_model_dir) -> None:
                 linear.weight.normal_(0.0, 1.0, generator=generator)
     recognizer.warmup(cpu, max_batch_size=4)
     assert recognizer.uses_static_decoder(cpu) and recognizer.merge_buckets
+    decoder = recognizer._decoders["cpu"]
+    assert decoder.dtype == getattr(torch, dtype)
+    assert decoder.cross_k.dtype == decoder.self_k.dtype == torch.float32
     rng = np.random.default_rng(0)
     height = recognizer.spec.height
     batch = [

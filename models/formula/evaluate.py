@@ -149,6 +149,33 @@ def recognize(
     return out
 
 
+def recognize_served(
+    model_dir: str | Path,
+    device: str,
+    dtype: str,
+    images: Sequence[bytes],
+    batch_size: int = 16,
+    bucket_step: int = BUCKET_STEP,
+) -> list[str]:
+    """Greedy transcriptions of image files, in input order, through the server's own
+    adapter: its image decoding, its decoder (the static one where it applies) in the
+    dtype `TEXEL_DTYPE=dtype` gives, batches of similar width as its batcher merges them."""
+    from models.formula.adapter import FormulaRecognizer
+
+    target = torch.device(device)
+    recognizer = FormulaRecognizer(str(model_dir), [target], dtype=dtype, bucket_step=bucket_step)
+    recognizer.load()
+    recognizer.warmup(target, batch_size)
+    run = recognizer.runner(target)
+    items = [recognizer.preprocess(data) for data in images]
+    out = [""] * len(items)
+    for indices in width_batches([item.width for item in items], batch_size):
+        batch = [items[i] for i in indices]
+        for i, tokens in zip(indices, run(batch, lambda: False), strict=True):
+            out[i] = recognizer.detokenize(tokens)
+    return out
+
+
 @torch.inference_mode()
 def single_latency_ms(
     model, spec: FormulaImageSpec, strip: np.ndarray, repeats: int = 10
@@ -228,6 +255,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="as TEXEL_DTYPE (auto: what the server picks on this device)",
     )
     parser.add_argument(
+        "--served",
+        action="store_true",
+        help="decode through the server's adapter and decoder, not transformers' generate()",
+    )
+    parser.add_argument(
         "--latency", action="store_true", help="also time one typical formula on 2 CPU threads"
     )
     parser.add_argument(
@@ -248,7 +280,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     model, tokenizer, spec = load_model(args.model, args.device, args.dtype)
     strips = load_strips(args.data, chosen, spec)
     start = time.perf_counter()
-    hypotheses = recognize(model, tokenizer, spec, strips, args.batch_size, args.bucket_width)
+    if args.served:
+        images = [(Path(args.data) / "images" / s.name).read_bytes() for s in chosen]
+        hypotheses = recognize_served(
+            args.model, args.device, args.dtype, images, args.batch_size, args.bucket_width
+        )
+    else:
+        hypotheses = recognize(model, tokenizer, spec, strips, args.batch_size, args.bucket_width)
     elapsed = time.perf_counter() - start
     references = [s.formula for s in chosen]
     result = score(references, hypotheses)
