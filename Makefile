@@ -59,7 +59,7 @@ clean:
 # The default models. Training needs a GPU (see models/*/NOTES.md for the runs behind
 # the shipped weights); evaluation runs anywhere.
 eval-formula: install
-	$(PY) -m models.formula.evaluate --data $(DATA)/im2latex-val --model models/formula/default --latency --by-length
+	$(PY) -m models.formula.evaluate --data $(DATA)/im2latex-val --model models/formula/default --served --dtype auto --latency --by-length
 
 eval-image: install
 	$(PY) -m models.image.evaluate --model models/image/default
