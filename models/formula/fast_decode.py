@@ -206,7 +206,11 @@ class StaticGreedyDecoder:
         self.scaling = first.scaling
         # Each layer's self-attention Q, K and V projections as one matrix: one matrix
         # multiply per step instead of three (fewer kernels to launch, or to replay).
-        self.qkv = [_fused_projection(layer.self_attn) for layer in decoder.layers]
+        # A bf16 model on a CPU multiplies with weights reordered once into oneDNN's
+        # blocked layout (`_Projection`).
+        blocked = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        self.linears = [_StepLinears.of(layer, blocked) for layer in decoder.layers]
+        self.lm_projection = _Projection(self.lm_head.weight, self.lm_head.bias, blocked)
         self._allocate(len(decoder.layers), eos)
         self._graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self._pool = None
@@ -587,9 +591,9 @@ class StaticGreedyDecoder:
         `write` (each row's position), attention over the cache positions `self_mask`
         leaves open and the first `source_len` source positions."""
         cache_len = self_mask.shape[-1]
-        attn = layer.self_attn
+        linear = self.linears[i]
         adt, dtype = self.attention_dtype, self.dtype  # `.to()` is a no-op where they agree
-        q, k, v = F.linear(hidden, *self.qkv[i]).to(adt).chunk(3, dim=-1)
+        q, k, v = linear.qkv(hidden).to(adt).chunk(3, dim=-1)
         self.self_k[i, :rows].scatter_(2, write, self._heads(k))
         self.self_v[i, :rows].scatter_(2, write, self._heads(v))
         out = F.scaled_dot_product_attention(
@@ -599,19 +603,20 @@ class StaticGreedyDecoder:
             attn_mask=self_mask,
             scale=1.0,
         )
-        hidden = layer.self_attn_layer_norm(hidden + attn.out_proj(self._merge(out).to(dtype)))
+        hidden = layer.self_attn_layer_norm(hidden + linear.self_out(self._merge(out).to(dtype)))
 
-        cross = layer.encoder_attn
         out = F.scaled_dot_product_attention(
-            self._heads(cross.q_proj(hidden).to(adt) * self.scaling),
+            self._heads(linear.cross_q(hidden).to(adt) * self.scaling),
             self.cross_k[i, :rows, :, :source_len],
             self.cross_v[i, :rows, :, :source_len],
             attn_mask=self.source_mask[:rows, ..., :source_len],
             scale=1.0,
         )
-        hidden = layer.encoder_attn_layer_norm(hidden + cross.out_proj(self._merge(out).to(dtype)))
+        hidden = layer.encoder_attn_layer_norm(
+            hidden + linear.cross_out(self._merge(out).to(dtype))
+        )
 
-        feed_forward = layer.fc2(layer.activation_fn(layer.fc1(hidden)))
+        feed_forward = linear.fc2(layer.activation_fn(linear.fc1(hidden)))
         return layer.final_layer_norm(hidden + feed_forward)
 
     def _step(self, rows: int) -> None:
@@ -643,7 +648,7 @@ class StaticGreedyDecoder:
         write = positions[:, None, None, None].expand(rows, self.num_heads, 1, self.head_dim)
         for i, layer in enumerate(self.decoder.layers):
             hidden = self._layer(i, layer, hidden, rows, self_mask, write, source_len)
-        logits = self.lm_head(hidden[:, 0]).float()
+        logits = self.lm_projection(hidden[:, 0]).float()
         chosen = torch.where(finished, self.pad_id, logits.argmax(dim=-1))
         is_eos = (chosen[:, None] == self.eos_ids).any(dim=-1)
         # The row's token count after this one; at its limit it ends like an EOS.
@@ -716,6 +721,56 @@ class StaticGreedyDecoder:
                 logger.warning("CUDA graph capture failed (%s); decoding eagerly", exc)
                 self._warned_capture = True
             return None
+
+
+class _Projection:
+    """`x @ weight.T + bias`, one linear layer of a decoding step.
+
+    `blocked` (a bf16 model on a CPU with oneDNN): the weight is reordered once into
+    oneDNN's blocked layout, which `F.linear` would do again on every call; for the one
+    to sixteen rows of a CPU step that halves the time of the step's 37 multiplies (2-core
+    AMD EPYC: 0.67 against 1.35 ms for 36 of them), with the same bf16 results.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, blocked: bool) -> None:
+        self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
+        self.blocked = None
+        if blocked and torch.backends.mkldnn.is_available():
+            try:
+                self.blocked = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+            except (AttributeError, RuntimeError):  # a torch build without these kernels
+                self.blocked = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocked is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.blocked, self.bias, "none", [], "")
+
+
+@dataclass(frozen=True)
+class _StepLinears:
+    """The linear layers one decoder layer runs at every step."""
+
+    qkv: _Projection  # self-attention Q, K and V as one matrix
+    self_out: _Projection
+    cross_q: _Projection
+    cross_out: _Projection
+    fc1: _Projection
+    fc2: _Projection
+
+    @classmethod
+    def of(cls, layer: nn.Module, blocked: bool) -> _StepLinears:
+        def projection(linear: nn.Linear) -> _Projection:
+            return _Projection(linear.weight, linear.bias, blocked)
+
+        return cls(
+            qkv=_Projection(*_fused_projection(layer.self_attn), blocked),
+            self_out=projection(layer.self_attn.out_proj),
+            cross_q=projection(layer.encoder_attn.q_proj),
+            cross_out=projection(layer.encoder_attn.out_proj),
+            fc1=projection(layer.fc1),
+            fc2=projection(layer.fc2),
+        )
 
 
 def _fused_projection(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
