@@ -20,7 +20,9 @@ done. A graph holds `steps_per_run` consecutive steps (on CUDA all
 `CHECK_EVERY`), so one `replay()` (one Python call, one grab of the GIL that
 the event loop also wants) runs them all.
 On a CPU the same step runs eagerly, one at a time; it still skips
-`generate()`'s per-step overhead.
+`generate()`'s per-step overhead. With a bf16 model there, the KV cache and attention
+stay fp32 and the step's weights are reordered once for oneDNN (`_Projection`), which
+is where a CPU's bf16 time goes.
 
 Rows are slots with positions of their own, so the batch need not start or end
 together (continuous batching): `admit()` encodes new rows into free slots
