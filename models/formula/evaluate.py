@@ -149,6 +149,35 @@ def recognize(
     return out
 
 
+def served_runner(
+    model_dir: str | Path, device: str, dtype: str, batch_size: int, bucket_step: int
+):
+    """The server's formula adapter loaded and warmed up on `device`, and its batch runner."""
+    from models.formula.adapter import FormulaRecognizer
+
+    target = torch.device(device)
+    recognizer = FormulaRecognizer(str(model_dir), [target], dtype=dtype, bucket_step=bucket_step)
+    recognizer.load()
+    recognizer.warmup(target, batch_size)
+    return recognizer, recognizer.runner(target)
+
+
+def served_latency_ms(
+    model_dir: str | Path, dtype: str, image: bytes, bucket_step: int, repeats: int = 10
+) -> list[float]:
+    """Wall times of one image through the server's adapter on the CPU, decoded alone
+    (decoding only, as `single_latency_ms`: no HTTP), after a warm-up."""
+    recognizer, run = served_runner(model_dir, "cpu", dtype, 1, bucket_step)
+    item = recognizer.preprocess(image)
+    run([item], lambda: False)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run([item], lambda: False)
+        times.append((time.perf_counter() - start) * 1000)
+    return times
+
+
 def recognize_served(
     model_dir: str | Path,
     device: str,
@@ -160,13 +189,7 @@ def recognize_served(
     """Greedy transcriptions of image files, in input order, through the server's own
     adapter: its image decoding, its decoder (the static one where it applies) in the
     dtype `TEXEL_DTYPE=dtype` gives, batches of similar width as its batcher merges them."""
-    from models.formula.adapter import FormulaRecognizer
-
-    target = torch.device(device)
-    recognizer = FormulaRecognizer(str(model_dir), [target], dtype=dtype, bucket_step=bucket_step)
-    recognizer.load()
-    recognizer.warmup(target, batch_size)
-    run = recognizer.runner(target)
+    recognizer, run = served_runner(model_dir, device, dtype, batch_size, bucket_step)
     items = [recognizer.preprocess(data) for data in images]
     out = [""] * len(items)
     for indices in width_batches([item.width for item in items], batch_size):
@@ -182,7 +205,7 @@ def single_latency_ms(
 ) -> list[float]:
     """Wall times of greedy recognition of one strip, batch of one, after a warm-up."""
     max_new_tokens = model.generation_config.max_new_tokens or 256
-    pixels = torch.from_numpy(server_batch([strip], spec))
+    pixels = torch.from_numpy(server_batch([strip], spec)).to(model.dtype)
     model.generate(pixel_values=pixels, max_new_tokens=max_new_tokens, num_beams=1, do_sample=False)
     times = []
     for _ in range(repeats):
@@ -300,7 +323,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         model = model.to(cpu, resolve_dtype(args.dtype, cpu, torch.bfloat16, torch.bfloat16))
         lengths = [len(r.split()) for r in references]
         typical = int(np.argsort(lengths)[len(lengths) // 2])
-        times = single_latency_ms(model, spec, strips[typical])
+        if args.served:
+            image = (Path(args.data) / "images" / chosen[typical].name).read_bytes()
+            times = served_latency_ms(args.model, args.dtype, image, args.bucket_width)
+        else:
+            times = single_latency_ms(model, spec, strips[typical])
         extra["CPU latency p50, 2 threads"] = (
             f"{statistics.median(times):.0f} ms "
             f"({lengths[typical]} tokens, {strips[typical].shape[1]} px wide)"
