@@ -64,6 +64,23 @@ def test_the_default_formula_model_reads_real_dev_images(default_server):
     assert max(distances) < 0.4, distances
 
 
+@pytest.mark.skipif(
+    not FORMULAS.exists(), reason=f"shared data not found at {FORMULAS}: set TEXEL_DATA"
+)
+def test_the_served_evaluation_transcribes_as_the_server_does(default_server):
+    """`evaluate --served` decodes through the server's own adapter and decoder: one image
+    at a time (the same shapes as the server's lone requests), the same LaTeX."""
+    from models.formula.evaluate import recognize_served
+
+    images = [(FORMULAS / "images" / name).read_bytes() for name, _ in dev_samples(4)]
+    texts = recognize_served(DEFAULT_FORMULA, "cpu", "auto", images, batch_size=1)
+    with default_server.client() as client:
+        for data, text in zip(images, texts, strict=True):
+            response = client.post("/recognize", files={"image": ("f.png", data, "image/png")})
+            assert response.status_code == 200, response.text
+            assert response.json()["latex"] == text
+
+
 def test_the_default_image_model_paints_the_prompted_background(default_server):
     import random
 
