@@ -181,13 +181,10 @@ class BucketQueue:
         queued = self._queued(items)
         if flush or queued >= self.policy.max_batch_size:
             return True
-        if (
-            awaited
-            and self.policy.max_rejoin_s
-            and queued >= self._expected(items, free_since, awaited)
-        ):
+        expected = self._expected(items, free_since, awaited)
+        if expected and queued >= expected:
             return True  # the finished batch's clients are back
-        return now >= self._launch_time(items, free_since, awaited)
+        return now >= self._launch_time(items, free_since, expected)
 
     def _queued(self, items: deque[Pending]) -> int:
         """How many requests a batch launched from this bucket could take now."""
@@ -195,13 +192,17 @@ class BucketQueue:
 
     def _expected(self, items: deque[Pending], free_since: float, awaited: int) -> int:
         """How many requests this bucket's batch may hold once the `awaited` clients of
-        the finished batch are back: those that queued behind it, plus them."""
+        the finished batch are back: those that queued behind it, plus them (0: none are
+        awaited, or the policy has no rejoin window to wait in)."""
+        if not awaited or not self.policy.max_rejoin_s:
+            return 0
         queues = self._buckets.values() if self.policy.merge_buckets else [items]
         behind = sum(1 for q in queues for item in q if item.enqueued_at < free_since)
         return min(self.policy.max_batch_size, behind + awaited)
 
-    def _launch_time(self, items: deque[Pending], free_since: float, awaited: int = 0) -> float:
-        """When a bucket that does not fill up launches (is_ready and next_wakeup agree)."""
+    def _launch_time(self, items: deque[Pending], free_since: float, expected: int = 0) -> float:
+        """When a bucket that does not fill up launches (is_ready and next_wakeup agree);
+        `expected`: as `_expected` gives it."""
         policy = self.policy
         start = max(items[0].enqueued_at, free_since)
         wait = policy.max_wait_s
@@ -210,7 +211,7 @@ class BucketQueue:
         paused = max(self._latest_arrival(items), free_since) + policy.max_wait_s
         cap = start + wait + policy.max_linger_s
         launch = max(start + wait, min(paused, cap))
-        if awaited and self._queued(items) < self._expected(items, free_since, awaited):
+        if self._queued(items) < expected:
             # Some of the finished batch's clients may still be on their way back.
             launch = max(launch, free_since + policy.max_rejoin_s)
         return launch
@@ -265,7 +266,8 @@ class BucketQueue:
         times = []
         for items in self._buckets.values():
             if include_wait:
-                times.append(self._launch_time(items, free_since, awaited))
+                expected = self._expected(items, free_since, awaited)
+                times.append(self._launch_time(items, free_since, expected))
             times.append(min(item.deadline for item in items))
         return min(times, default=None)
 

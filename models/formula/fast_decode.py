@@ -71,6 +71,7 @@ the model's own modules and weights, so tokens match
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -180,8 +181,8 @@ class StaticGreedyDecoder:
         # kernels take two to three times as long in bf16 for a query of one (8 rows, 1,024
         # source positions, 6 layers: 8.5 ms against 3.5 ms on a 2-core AMD EPYC), while
         # its bf16 matrix multiplies pay. Elsewhere the model's dtype.
-        cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
-        self.attention_dtype = torch.float32 if cpu_bf16 else self.dtype
+        self._cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        self.attention_dtype = torch.float32 if self._cpu_bf16 else self.dtype
         self.use_cuda_graphs = (
             self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         )
@@ -210,7 +211,7 @@ class StaticGreedyDecoder:
         # multiply per step instead of three (fewer kernels to launch, or to replay).
         # A bf16 model on a CPU multiplies with weights reordered once into oneDNN's
         # blocked layout (`_Projection`).
-        blocked = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        blocked = self._cpu_bf16
         self.linears = [_StepLinears.of(layer, blocked) for layer in decoder.layers]
         self.lm_projection = _Projection(self.lm_head.weight, self.lm_head.bias, blocked)
         self._allocate(len(decoder.layers), eos)
@@ -738,10 +739,8 @@ class _Projection:
         self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
         self.blocked = None
         if blocked and torch.backends.mkldnn.is_available():
-            try:
+            with contextlib.suppress(AttributeError, RuntimeError):  # a build without them
                 self.blocked = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
-            except (AttributeError, RuntimeError):  # a torch build without these kernels
-                self.blocked = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocked is None:
