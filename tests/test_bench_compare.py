@@ -61,4 +61,6 @@ def test_stage_percentiles_come_from_a_real_servers_metrics(server):
     # A whole request takes longer than any one of its stages, so its p99 does too.
     assert p99["request"] >= max(value for stage, value in p99.items() if stage != "request")
     assert extras["event_loop_lag_p99_ms"] is not None  # sampled every 100 ms
-    assert extras["gc_pauses"] >= 0
+    # The garbage collector's pauses are reported (how many collections fall in a window
+    # is the interpreter's business, so no count is asserted).
+    assert {"gc_pauses", "gc_pause_mean_ms", "gc_pause_p99_ms"} <= set(extras)
