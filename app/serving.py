@@ -448,6 +448,7 @@ def build_models(
             dtype=settings.dtype,
             max_steps=i.max_steps,
             max_side=i.max_side,
+            compile=i.compile,
         )
         served["image"] = served_class(
             "image",

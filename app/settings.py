@@ -105,6 +105,12 @@ class ImageSettings(ModelSettings):
     )
     max_steps: int = Field(100, ge=1, description="Largest num_inference_steps accepted.")
     max_side: int = Field(1024, ge=8, description="Largest width or height accepted.")
+    compile: Literal["auto", "true", "false"] = Field(
+        "auto",
+        description="torch.compile the UNet (dynamic shapes, compiled during warm-up, "
+        "before readiness). auto: on CUDA devices, falling back to eager if compilation "
+        "fails; off on CPUs.",
+    )
     png_compress_level: int = Field(
         1,
         ge=0,

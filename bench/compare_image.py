@@ -9,7 +9,10 @@ trying the harness on a CPU. It is saved once (fp16) and served by Texel through
 the ordinary `TEXEL_IMAGE__MODEL` path. For each batch size B it records
 `raw` (one pipeline call of B prompts, best of a few) and `texel` at concurrency
 B with `MAX_BATCH_SIZE` = the largest B, plus `texel-nobatch` at the largest B,
-into `bench/results/<gpu>.jsonl` (scenario "image"). With `--full-load`, also `texel`
+into `bench/results/<gpu>.jsonl` (scenario "image"). Texel compiles the UNet on
+CUDA (`TEXEL_IMAGE__COMPILE=auto`), so `raw` is timed both eager and compiled the
+same way (`raw-compiled`, with `--compile`, the default on CUDA), and the served rate
+is compared with the faster of the two. With `--full-load`, also `texel`
 at twice the largest B: the clients of one batch then send their next requests while
 the other half's batch runs, so every batch is full and the served rate is compared
 with `raw` at that batch size, which is what serving costs on top of the pipeline.
@@ -133,8 +136,9 @@ def build_pipeline(directory: Path, shapes: dict, steps: int, guidance: float) -
 
 
 def raw_throughput(model: Path, batch_sizes: list[int], steps: int, guidance: float,
-                   repeats: int) -> dict[int, float]:  # fmt: skip
-    """Images/s of the pipeline itself: B prompts in one call, best of `repeats` calls."""
+                   repeats: int, compile: bool = False) -> dict[int, float]:  # fmt: skip
+    """Images/s of the pipeline itself: B prompts in one call, best of `repeats` calls;
+    `compile`: its UNet compiled as Texel compiles it (`models/image/adapter.py`)."""
     from diffusers import DiffusionPipeline
 
     cuda = torch.cuda.is_available()
@@ -143,11 +147,16 @@ def raw_throughput(model: Path, batch_sizes: list[int], steps: int, guidance: fl
         str(model), torch_dtype=torch.float16 if cuda else torch.float32
     ).to(device)
     pipe.set_progress_bar_config(disable=True)
+    if compile:
+        import torch.fx.experimental._config as fx_config
+
+        fx_config.use_duck_shape = False
+        pipe.unet = torch.compile(pipe.unet, dynamic=True)
     out = {}
     for size in batch_sizes:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(size)]
         times = []
-        for repeat in range(repeats + 1):  # the first call warms up
+        for repeat in range(repeats + 1):  # the first call warms up (and compiles)
             generators = [torch.Generator(device).manual_seed(i) for i in range(size)]
             if cuda:
                 torch.cuda.synchronize()
@@ -159,7 +168,7 @@ def raw_throughput(model: Path, batch_sizes: list[int], steps: int, guidance: fl
             if repeat:
                 times.append(time.perf_counter() - started)
         out[size] = size / min(times)
-        print(json.dumps({"raw": size, "images_per_s": round(out[size], 3),
+        print(json.dumps({"raw": size, "compiled": compile, "images_per_s": round(out[size], 3),
                           "median_s": round(statistics.median(times), 3)}), flush=True)  # fmt: skip
     del pipe
     if cuda:
@@ -178,7 +187,9 @@ def served(model: Path, concurrency: list[int], max_batch: int, args) -> list[tu
         "TEXEL_IMAGE__MAX_QUEUE": str(max(concurrency) * 4),
         "TEXEL_REQUEST_TIMEOUT_S": "600",
     }
-    proc = ServerProcess(env)
+    if args.served_compile:
+        env["TEXEL_IMAGE__COMPILE"] = args.served_compile
+    proc = ServerProcess(env, ready_timeout=900)  # compiling the UNet takes minutes
     try:
         return [
             (level, closed_loop_processes(proc.url, workload, level, args.duration, args.warmup))
@@ -200,6 +211,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=torch.cuda.is_available(),
+        help="also time the raw pipeline with its UNet compiled (default: on CUDA)",
+    )
+    parser.add_argument(
+        "--served-compile",
+        choices=("auto", "true", "false"),
+        default=None,
+        help="TEXEL_IMAGE__COMPILE for the served runs (default: Texel's own, auto)",
+    )
+    parser.add_argument("--skip-nobatch", action="store_true", help="leave out texel-nobatch")
+    parser.add_argument(
         "--full-load",
         action="store_true",
         help="also serve at twice the largest batch size (every batch full)",
@@ -215,20 +239,29 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="texel-sd-") as tmp:
         model = build_pipeline(Path(tmp), SD15 if args.size == "sd15" else TINY,
                                args.steps, args.guidance)  # fmt: skip
-        raw = raw_throughput(model, args.batch_sizes, args.steps, args.guidance, args.repeats)
+        rates = {"raw": raw_throughput(model, args.batch_sizes, args.steps, args.guidance,
+                                       args.repeats)}  # fmt: skip
+        if args.compile:
+            rates["raw-compiled"] = raw_throughput(
+                model, args.batch_sizes, args.steps, args.guidance, args.repeats, compile=True
+            )
+        raw = {size: max(r[size] for r in rates.values()) for size in args.batch_sizes}
         largest = max(args.batch_sizes)
         levels = args.batch_sizes + ([2 * largest] if args.full_load else [])
         runs = [("texel", *run) for run in served(model, levels, largest, args)]
-        runs += [("texel-nobatch", *run) for run in served(model, [largest], 1, args)]
-        for size, rate in raw.items():
-            records.append({**base, "server": "raw", "concurrency": size,
-                            "throughput_rps": round(rate, 3)})  # fmt: skip
+        if not args.skip_nobatch:
+            runs += [("texel-nobatch", *run) for run in served(model, [largest], 1, args)]
+        for server, by_size in rates.items():
+            for size, rate in by_size.items():
+                records.append({**base, "server": server, "concurrency": size,
+                                "throughput_rps": round(rate, 3)})  # fmt: skip
         for server, level, result in runs:
             summary = result.summary()
             record = {**base, "server": server, "concurrency": level,
                       **{k: summary[k] for k in ("throughput_rps", "p50_ms", "p95_ms", "p99_ms",
                                                  "errors", "mean_batch_size")}}  # fmt: skip
-            # Batches hold at most `largest`: past it, compare with raw at that size.
+            # Batches hold at most `largest`: past it, compare with raw at that size (the
+            # faster of eager and compiled).
             batch = min(level, largest) if server == "texel" else None
             if batch in raw:
                 record["share_of_raw"] = round(summary["throughput_rps"] / raw[batch], 3)

@@ -30,6 +30,7 @@ class ServerProcess:
         wait_ready: bool = True,
         profile: Path | None = None,
         entry: tuple[str, ...] = ("app.cli", "serve"),
+        ready_timeout: float = 180,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -59,7 +60,7 @@ class ServerProcess:
         )
         self.wait_live()
         if wait_ready:
-            self.wait_ready()
+            self.wait_ready(ready_timeout)
 
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 60), **kwargs)

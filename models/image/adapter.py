@@ -4,6 +4,10 @@ Loaded with `DiffusionPipeline.from_pretrained` from a directory or hub id. Ever
 image gets its own seeded generator, so an image depends only on its prompt,
 seed and settings, never on the batch it ran in. Requests with equal size,
 steps and guidance share one pipeline call.
+
+On CUDA the UNet is compiled (`torch.compile`, dynamic shapes) by default: its eager
+forward pass is bound by kernel launches at small batches. Warm-up compiles every
+graph a request can need, so no request pays for compilation.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import copy
 import functools
 import inspect
 import json
+import logging
 import secrets
 import threading
 import time
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.fx.experimental._config as fx_config
 from diffusers import DiffusionPipeline
 from diffusers.utils import logging as diffusers_logging
 from PIL import Image
@@ -32,6 +38,8 @@ from models.devices import (
     start_worker,
 )
 from models.errors import InvalidParameter
+
+log = logging.getLogger(__name__)
 
 DEFAULTS_FILE = "texel.json"  # optional {"num_inference_steps", "guidance_scale"}
 
@@ -94,6 +102,7 @@ class ImageGenerator:
         dtype: str = "auto",
         max_steps: int = 100,
         max_side: int = 1024,
+        compile: str = "auto",
     ) -> None:
         self.source = source
         self.name = model_name(source, name)
@@ -101,6 +110,7 @@ class ImageGenerator:
         self.dtype_setting = dtype
         self.max_steps = max_steps
         self.max_side = max_side
+        self.compile_setting = compile
         self.defaults: ImageDefaults | None = None
         self.size_multiple = 8
         self._pipes: dict[str, DiffusionPipeline] = {}
@@ -120,7 +130,13 @@ class ImageGenerator:
             dtype = resolve_dtype(self.dtype_setting, device, torch.float16)
             pipe = DiffusionPipeline.from_pretrained(self.source, torch_dtype=dtype)
             pipe.set_progress_bar_config(disable=True)
-            self._pipes[str(device)] = pipe.to(device)
+            pipe.to(device)
+            if self.compiles(device):
+                # Without duck shaping a batch dimension that happens to equal another
+                # size (4 latent channels, 4 rows) stays symbolic instead of being fixed.
+                fx_config.use_duck_shape = False
+                pipe.unet = torch.compile(pipe.unet, dynamic=True)
+            self._pipes[str(device)] = pipe
         first = next(iter(self._pipes.values()))
         self.defaults = self._read_defaults(first)
         # A fast tokenizer's padding/truncation settings are shared mutable state: the
@@ -137,6 +153,7 @@ class ImageGenerator:
             "dtype": self.dtype_setting,
             "max_steps": self.max_steps,
             "max_side": self.max_side,
+            "compile": self.compile_setting,
         }
         return functools.partial(start_worker, ImageGenerator, options, str(device), max_batch_size)
 
@@ -154,11 +171,40 @@ class ImageGenerator:
         self.size_multiple = info["size_multiple"]
         self._prompt_tokenizer = info["tokenizer"]
 
+    def compiles(self, device: torch.device) -> bool:
+        """Whether the UNet on `device` is compiled: `auto` means on CUDA devices."""
+        if self.compile_setting == "auto":
+            return device.type == "cuda"
+        return self.compile_setting == "true"
+
     def warmup(self, device: torch.device, max_batch_size: int) -> None:
-        """One full batch at the default settings on `device`, on its worker thread."""
+        """A full batch at the default settings on `device`, on its worker thread. A
+        compiled UNet runs every batch size from the largest down and one image without
+        guidance (a graph of its own), so that whatever the compiler specializes is
+        compiled here rather than on a request. With `compile=auto`, a compilation that
+        fails leaves the eager UNet in place."""
         d = self._defaults
         job = ImageJob("warm-up", None, d.width, d.height, min(d.steps, 2), d.guidance, (0,))
-        self._generate(str(device), [job] * max_batch_size, lambda: False)
+        pipe = self._pipes[str(device)]
+        compiled = hasattr(pipe.unet, "_orig_mod")
+        if not compiled:
+            self._generate(str(device), [job] * max_batch_size, lambda: False)
+            return
+        batches = [[job] * size for size in range(max_batch_size, 0, -1)]
+        batches.append([ImageJob("warm-up", None, d.width, d.height, 2, 1.0, (0,))])
+        started = time.perf_counter()
+        try:
+            for batch in batches:
+                self._generate(str(device), batch, lambda: False)
+        except Exception:
+            if self.compile_setting != "auto":
+                raise
+            log.warning("compiling the UNet on %s failed; serving it eagerly", device,
+                        exc_info=True)  # fmt: skip
+            pipe.unet = pipe.unet._orig_mod
+            self._generate(str(device), batches[0], lambda: False)
+            return
+        log.info("UNet on %s compiled in %.1f s", device, time.perf_counter() - started)
 
     # -- per request ---------------------------------------------------------
 
