@@ -62,6 +62,7 @@ def serve(host: str, port: int) -> None:
         host=host,
         port=port,
         log_config=None,
+        timeout_keep_alive=settings.keep_alive_s,
         timeout_graceful_shutdown=int(settings.drain_timeout_s) + 5,
     )
     server = TexelServer(config, app.state.runtime)

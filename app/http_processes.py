@@ -299,6 +299,7 @@ def serve_http_process(
     config = uvicorn.Config(
         build_app(settings, runtime),
         log_config=None,
+        timeout_keep_alive=settings.keep_alive_s,
         timeout_graceful_shutdown=int(settings.drain_timeout_s) + 5,
     )
     TexelServer(config, runtime).run(sockets=[reuseport_socket(*address)])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import http.client
 import signal
 import socket
 import threading
@@ -233,3 +234,34 @@ def test_the_channel_carries_results_errors_and_cancellation():
             await near.call("echo", 1)
 
     asyncio.run(scenario())
+
+
+def _idle_connection_closed(url: str, idle_s: float) -> bool:
+    """Whether the server closes a kept-alive connection left idle for `idle_s`."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=5)
+    try:
+        connection.request("GET", "/livez")
+        first = connection.getresponse()
+        first.read()
+        assert first.status == 200 and not first.will_close
+        time.sleep(idle_s)
+        try:
+            connection.request("GET", "/livez")
+            return connection.getresponse().status != 200
+        except (http.client.RemoteDisconnected, ConnectionError):
+            return True
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_idle_connections_stay_open_for_the_keep_alive_setting(start_server, processes):
+    """uvicorn's own 5 s keep-alive closes connections that clients and proxies still
+    count as open; Texel keeps them TEXEL_KEEP_ALIVE_S (75 s by default)."""
+    bare = {"TEXEL_FORMULA__ENABLED": "false", "TEXEL_IMAGE__ENABLED": "false"}
+    short = start_server(wait_ready=False, TEXEL_HTTP_PROCESSES=str(processes),
+                         TEXEL_KEEP_ALIVE_S="1", **bare)  # fmt: skip
+    default = start_server(wait_ready=False, TEXEL_HTTP_PROCESSES=str(processes), **bare)
+    assert _idle_connection_closed(short.url, 2.5)
+    assert not _idle_connection_closed(default.url, 6.0)  # past uvicorn's 5 s
