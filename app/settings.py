@@ -105,11 +105,12 @@ class ImageSettings(ModelSettings):
     )
     max_steps: int = Field(100, ge=1, description="Largest num_inference_steps accepted.")
     max_side: int = Field(1024, ge=8, description="Largest width or height accepted.")
-    compile: Literal["auto", "true", "false"] = Field(
-        "auto",
-        description="torch.compile the UNet (dynamic shapes, compiled during warm-up, "
-        "before readiness). auto: on CUDA devices, falling back to eager if compilation "
-        "fails; off on CPUs.",
+    compile: Literal["off", "batch", "dynamic"] = Field(
+        "off",
+        description="torch.compile the UNet, every graph compiled during warm-up before "
+        "readiness. batch: graphs for the image size with a symbolic batch size (three "
+        "compilations); dynamic: one graph with every size symbolic. See the README for "
+        "what each gains.",
     )
     png_compress_level: int = Field(
         1,
@@ -148,6 +149,13 @@ class Settings(BaseSettings):
         0.0, ge=0, description="On SIGTERM, report not-ready this long before draining."
     )
     drain_timeout_s: float = Field(30.0, ge=0, description="Longest wait for queued work on exit.")
+    keep_alive_s: int = Field(
+        75,
+        ge=1,
+        description="How long an idle kept-alive connection stays open. Longer than the "
+        "idle timeout of any proxy or load balancer in front (60 s for most), so that the "
+        "server never closes a connection just as a request is sent on it.",
+    )
     preprocess_threads: int = Field(
         0, ge=0, description="Threads decoding images; 0 means one per CPU core."
     )

@@ -9,10 +9,10 @@ trying the harness on a CPU. It is saved once (fp16) and served by Texel through
 the ordinary `TEXEL_IMAGE__MODEL` path. For each batch size B it records
 `raw` (one pipeline call of B prompts, best of a few) and `texel` at concurrency
 B with `MAX_BATCH_SIZE` = the largest B, plus `texel-nobatch` at the largest B,
-into `bench/results/<gpu>.jsonl` (scenario "image"). Texel compiles the UNet on
-CUDA (`TEXEL_IMAGE__COMPILE=auto`), so `raw` is timed both eager and compiled the
-same way (`raw-compiled`, with `--compile`, the default on CUDA), and the served rate
-is compared with the faster of the two. With `--full-load`, also `texel`
+into `bench/results/<gpu>.jsonl` (scenario "image"). With `--compile batch` or
+`dynamic`, Texel serves with `TEXEL_IMAGE__COMPILE` set so, and `raw` is timed both
+eager and with its UNet compiled the same way (`raw-compiled`); the served rate is
+compared with the faster of the two. With `--full-load`, also `texel`
 at twice the largest B: the clients of one batch then send their next requests while
 the other half's batch runs, so every batch is full and the served rate is compared
 with `raw` at that batch size, which is what serving costs on top of the pipeline.
@@ -136,9 +136,9 @@ def build_pipeline(directory: Path, shapes: dict, steps: int, guidance: float) -
 
 
 def raw_throughput(model: Path, batch_sizes: list[int], steps: int, guidance: float,
-                   repeats: int, compile: bool = False) -> dict[int, float]:  # fmt: skip
+                   repeats: int, compile: str = "off") -> dict[int, float]:  # fmt: skip
     """Images/s of the pipeline itself: B prompts in one call, best of `repeats` calls;
-    `compile`: its UNet compiled as Texel compiles it (`models/image/adapter.py`)."""
+    `compile`: its UNet compiled as Texel compiles it (`ImageGenerator._compiled`)."""
     from diffusers import DiffusionPipeline
 
     cuda = torch.cuda.is_available()
@@ -147,11 +147,10 @@ def raw_throughput(model: Path, batch_sizes: list[int], steps: int, guidance: fl
         str(model), torch_dtype=torch.float16 if cuda else torch.float32
     ).to(device)
     pipe.set_progress_bar_config(disable=True)
-    if compile:
-        import torch.fx.experimental._config as fx_config
+    if compile != "off":
+        from models.image.adapter import ImageGenerator
 
-        fx_config.use_duck_shape = False
-        pipe.unet = torch.compile(pipe.unet, dynamic=True)
+        pipe.unet = ImageGenerator("raw", [], compile=compile)._compiled(pipe.unet)
     out = {}
     for size in batch_sizes:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(size)]
@@ -168,7 +167,7 @@ def raw_throughput(model: Path, batch_sizes: list[int], steps: int, guidance: fl
             if repeat:
                 times.append(time.perf_counter() - started)
         out[size] = size / min(times)
-        print(json.dumps({"raw": size, "compiled": compile, "images_per_s": round(out[size], 3),
+        print(json.dumps({"raw": size, "compile": compile, "images_per_s": round(out[size], 3),
                           "median_s": round(statistics.median(times), 3)}), flush=True)  # fmt: skip
     del pipe
     if cuda:
@@ -187,8 +186,8 @@ def served(model: Path, concurrency: list[int], max_batch: int, args) -> list[tu
         "TEXEL_IMAGE__MAX_QUEUE": str(max(concurrency) * 4),
         "TEXEL_REQUEST_TIMEOUT_S": "600",
     }
-    if args.served_compile:
-        env["TEXEL_IMAGE__COMPILE"] = args.served_compile
+    if args.compile != "off":
+        env["TEXEL_IMAGE__COMPILE"] = args.compile
     proc = ServerProcess(env, ready_timeout=900)  # compiling the UNet takes minutes
     try:
         return [
@@ -212,15 +211,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
         "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=torch.cuda.is_available(),
-        help="also time the raw pipeline with its UNet compiled (default: on CUDA)",
-    )
-    parser.add_argument(
-        "--served-compile",
-        choices=("auto", "true", "false"),
-        default=None,
-        help="TEXEL_IMAGE__COMPILE for the served runs (default: Texel's own, auto)",
+        choices=("off", "batch", "dynamic"),
+        default="off",
+        help="TEXEL_IMAGE__COMPILE for the served runs; raw is then timed compiled too",
     )
     parser.add_argument("--skip-nobatch", action="store_true", help="leave out texel-nobatch")
     parser.add_argument(
@@ -241,9 +234,14 @@ def main() -> None:
                                args.steps, args.guidance)  # fmt: skip
         rates = {"raw": raw_throughput(model, args.batch_sizes, args.steps, args.guidance,
                                        args.repeats)}  # fmt: skip
-        if args.compile:
+        if args.compile != "off":
             rates["raw-compiled"] = raw_throughput(
-                model, args.batch_sizes, args.steps, args.guidance, args.repeats, compile=True
+                model,
+                args.batch_sizes,
+                args.steps,
+                args.guidance,
+                args.repeats,
+                compile=args.compile,
             )
         raw = {size: max(r[size] for r in rates.values()) for size in args.batch_sizes}
         largest = max(args.batch_sizes)

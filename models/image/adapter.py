@@ -5,9 +5,9 @@ image gets its own seeded generator, so an image depends only on its prompt,
 seed and settings, never on the batch it ran in. Requests with equal size,
 steps and guidance share one pipeline call.
 
-On CUDA the UNet is compiled (`torch.compile`, dynamic shapes) by default: its eager
-forward pass is bound by kernel launches at small batches. Warm-up compiles every
-graph a request can need, so no request pays for compilation.
+The UNet can be compiled (`compile="batch"` or `"dynamic"`, off by default): warm-up
+then compiles a graph for every batch size up to the largest, so no request of one image
+pays for compilation. The README gives what each costs and gains on an H200.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class ImageGenerator:
         dtype: str = "auto",
         max_steps: int = 100,
         max_side: int = 1024,
-        compile: str = "auto",
+        compile: str = "off",
     ) -> None:
         self.source = source
         self.name = model_name(source, name)
@@ -110,6 +110,8 @@ class ImageGenerator:
         self.dtype_setting = dtype
         self.max_steps = max_steps
         self.max_side = max_side
+        if compile not in ("off", "batch", "dynamic"):
+            raise ValueError(f"compile must be off, batch or dynamic; got {compile!r}")
         self.compile_setting = compile
         self.defaults: ImageDefaults | None = None
         self.size_multiple = 8
@@ -131,11 +133,8 @@ class ImageGenerator:
             pipe = DiffusionPipeline.from_pretrained(self.source, torch_dtype=dtype)
             pipe.set_progress_bar_config(disable=True)
             pipe.to(device)
-            if self.compiles(device):
-                # Without duck shaping a batch dimension that happens to equal another
-                # size (4 latent channels, 4 rows) stays symbolic instead of being fixed.
-                fx_config.use_duck_shape = False
-                pipe.unet = torch.compile(pipe.unet, dynamic=True)
+            if self.compile_setting != "off":
+                pipe.unet = self._compiled(pipe.unet)
             self._pipes[str(device)] = pipe
         first = next(iter(self._pipes.values()))
         self.defaults = self._read_defaults(first)
@@ -171,40 +170,38 @@ class ImageGenerator:
         self.size_multiple = info["size_multiple"]
         self._prompt_tokenizer = info["tokenizer"]
 
-    def compiles(self, device: torch.device) -> bool:
-        """Whether the UNet on `device` is compiled: `auto` means on CUDA devices."""
-        if self.compile_setting == "auto":
-            return device.type == "cuda"
-        return self.compile_setting == "true"
+    def _compiled(self, unet):
+        """`batch`: torch's own dynamic-shape policy. The first batch size gets a graph of
+        its own; the next one, a graph with a symbolic batch size that serves every size
+        after it; image sizes stay specialized. `dynamic`: every size symbolic (one
+        compilation; on an H200 its kernels were slower at batch 8 than eager ones)."""
+        # Without duck shaping a batch dimension that happens to equal another size (4
+        # latent channels, 4 rows) stays symbolic instead of being fixed to it.
+        fx_config.use_duck_shape = False
+        return torch.compile(unet, dynamic=True if self.compile_setting == "dynamic" else None)
 
     def warmup(self, device: torch.device, max_batch_size: int) -> None:
         """A full batch at the default settings on `device`, on its worker thread. A
         compiled UNet runs every batch size from the largest down and one image without
-        guidance (a graph of its own), so that whatever the compiler specializes is
-        compiled here rather than on a request. With `compile=auto`, a compilation that
-        fails leaves the eager UNet in place."""
+        guidance (a graph of its own), so that each graph a request of one image can
+        need is compiled here, before readiness. (Requests of several images make
+        larger batches, which the symbolic graph serves as well.)"""
         d = self._defaults
         job = ImageJob("warm-up", None, d.width, d.height, min(d.steps, 2), d.guidance, (0,))
-        pipe = self._pipes[str(device)]
-        compiled = hasattr(pipe.unet, "_orig_mod")
-        if not compiled:
+        if self.compile_setting == "off":
             self._generate(str(device), [job] * max_batch_size, lambda: False)
             return
-        batches = [[job] * size for size in range(max_batch_size, 0, -1)]
-        batches.append([ImageJob("warm-up", None, d.width, d.height, 2, 1.0, (0,))])
         started = time.perf_counter()
-        try:
-            for batch in batches:
-                self._generate(str(device), batch, lambda: False)
-        except Exception:
-            if self.compile_setting != "auto":
-                raise
-            log.warning("compiling the UNet on %s failed; serving it eagerly", device,
-                        exc_info=True)  # fmt: skip
-            pipe.unet = pipe.unet._orig_mod
-            self._generate(str(device), batches[0], lambda: False)
-            return
-        log.info("UNet on %s compiled in %.1f s", device, time.perf_counter() - started)
+        for size in range(max_batch_size, 0, -1):
+            self._generate(str(device), [job] * size, lambda: False)
+        unguided = ImageJob("warm-up", None, d.width, d.height, 2, 1.0, (0,))
+        self._generate(str(device), [unguided], lambda: False)
+        log.info(
+            "UNet on %s compiled (%s) in %.1f s",
+            device,
+            self.compile_setting,
+            time.perf_counter() - started,
+        )
 
     # -- per request ---------------------------------------------------------
 
