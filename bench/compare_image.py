@@ -88,6 +88,17 @@ TINY = {
 }
 
 
+SHAPES = {"sd15": SD15, "tiny": TINY}
+
+
+def record_base(scenario: str, module: str, args) -> dict:
+    """What every record of an image benchmark names: the machine, commit and command."""
+    return {"scenario": scenario, "gpu": gpu_name(), "commit": commit(),
+            "command": f"python -m {module} " + " ".join(sys.argv[1:]),
+            "model": f"{args.size} (random weights)", "steps": args.steps,
+            "env": settings_env()}  # fmt: skip
+
+
 def build_pipeline(directory: Path, shapes: dict, steps: int, guidance: float) -> Path:
     """A StableDiffusionPipeline with random weights in the given shapes, saved in fp16."""
     from diffusers import (
@@ -224,14 +235,10 @@ def main() -> None:
     args = parser.parse_args()
 
     out = args.out or gpu_results_file()
-    base = {"scenario": "image", "gpu": gpu_name(), "commit": commit(),
-            "command": "python -m bench.compare_image " + " ".join(sys.argv[1:]),
-            "model": f"{args.size} (random weights)", "steps": args.steps,
-            "env": settings_env()}  # fmt: skip
+    base = record_base("image", "bench.compare_image", args)
     records = []
     with tempfile.TemporaryDirectory(prefix="texel-sd-") as tmp:
-        model = build_pipeline(Path(tmp), SD15 if args.size == "sd15" else TINY,
-                               args.steps, args.guidance)  # fmt: skip
+        model = build_pipeline(Path(tmp), SHAPES[args.size], args.steps, args.guidance)
         rates = {"raw": raw_throughput(model, args.batch_sizes, args.steps, args.guidance,
                                        args.repeats)}  # fmt: skip
         if args.compile != "off":

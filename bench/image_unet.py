@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from bench.common import append_records, commit, settings_env
-from bench.compare import gpu_name, gpu_results_file
-from bench.compare_image import PROMPTS, SD15, TINY, build_pipeline
+from bench.common import append_records
+from bench.compare import gpu_results_file
+from bench.compare_image import PROMPTS, SHAPES, build_pipeline, record_base
 
 VARIANTS = ("eager", "channels_last", "compile", "compile+channels_last")
 
@@ -83,14 +82,10 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
 
-    base = {"scenario": "image-unet", "gpu": gpu_name(), "commit": commit(),
-            "command": "python -m bench.image_unet " + " ".join(sys.argv[1:]),
-            "model": f"{args.size} (random weights)", "steps": args.steps,
-            "env": settings_env()}  # fmt: skip
+    base = record_base("image-unet", "bench.image_unet", args)
     records = []
     with tempfile.TemporaryDirectory(prefix="texel-sd-") as tmp:
-        model = build_pipeline(Path(tmp), SD15 if args.size == "sd15" else TINY,
-                               args.steps, args.guidance)  # fmt: skip
+        model = build_pipeline(Path(tmp), SHAPES[args.size], args.steps, args.guidance)
         for variant in args.variants:
             rows = time_variant(model, variant, args.batch_sizes, args)
             records += [{**base, **row} for row in rows]

@@ -1,0 +1,68 @@
+"""The image benchmarks on the tiny pipeline: bench.image_unet times each variant of the
+UNet, and bench.compare_image times the raw pipeline compiled as Texel compiles it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from bench.compare_image import TINY, build_pipeline, raw_throughput
+from bench.server import ROOT
+
+
+def test_image_unet_records_each_variant_with_the_command_and_commit(tmp_path):
+    out = tmp_path / "cpu.jsonl"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.image_unet",
+            "--size",
+            "tiny",
+            "--batch-sizes",
+            "1,2",
+            "--steps",
+            "2",
+            "--repeats",
+            "1",
+            "--variants",
+            "eager,channels_last",
+            "--out",
+            str(out),
+        ],  # fmt: skip
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["variant"], r["batch_size"]) for r in records] == [
+        ("eager", 1), ("eager", 2), ("channels_last", 1), ("channels_last", 2)
+    ]  # fmt: skip
+    for r in records:
+        assert r["scenario"] == "image-unet" and r["images_per_s"] > 0
+        assert r["command"].startswith("python -m bench.image_unet --size tiny")
+        assert r["commit"] and r["gpu"]
+
+
+def test_image_unet_refuses_an_unknown_variant():
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.image_unet", "--variants", "eager,fast"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2 and "unknown variants ['fast']" in result.stderr
+
+
+def test_raw_throughput_compiles_the_unet_when_asked(tmp_path, monkeypatch):
+    import torch
+
+    compiled = []
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: compiled.append(kw) or real(m, **kw))
+    model = build_pipeline(tmp_path, TINY, steps=2, guidance=7.5)
+    assert raw_throughput(model, [1], 2, 7.5, repeats=1)[1] > 0
+    assert not compiled
+    assert raw_throughput(model, [1], 2, 7.5, repeats=1, compile="dynamic")[1] > 0
+    assert compiled == [{"dynamic": True}]
