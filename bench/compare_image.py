@@ -149,7 +149,7 @@ def build_pipeline(directory: Path, shapes: dict, steps: int, guidance: float) -
 def raw_throughput(model: Path, batch_sizes: list[int], steps: int, guidance: float,
                    repeats: int, compile: str = "off") -> dict[int, float]:  # fmt: skip
     """Images/s of the pipeline itself: B prompts in one call, best of `repeats` calls;
-    `compile`: its UNet compiled as Texel compiles it (`ImageGenerator._compiled`)."""
+    `compile`: its UNet compiled as Texel compiles it (`compile_unet`)."""
     from diffusers import DiffusionPipeline
 
     cuda = torch.cuda.is_available()
@@ -159,9 +159,9 @@ def raw_throughput(model: Path, batch_sizes: list[int], steps: int, guidance: fl
     ).to(device)
     pipe.set_progress_bar_config(disable=True)
     if compile != "off":
-        from models.image.adapter import ImageGenerator
+        from models.image.adapter import compile_unet
 
-        pipe.unet = ImageGenerator("raw", [], compile=compile)._compiled(pipe.unet)
+        pipe.unet = compile_unet(pipe.unet, compile)
     out = {}
     for size in batch_sizes:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(size)]

@@ -5,13 +5,8 @@
 # Results come back under $OUT.
 #   carry: .whl .whlx (bench/device/bundle.sh); both default models moved out of the tree
 #   command: bash bench/device/image_compile.sh COMMIT
-T0=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl .whlx/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD TEXEL_COMMIT=$1 PYTHONUNBUFFERED=1
-L=$OUT/bench.log
-nvidia-smi --query-gpu=name,driver_version --format=csv > $L
-timeout 520 python3 -m bench.compare_image --size sd15 --batch-sizes 1,8 --steps 20 \
-    --duration 15 --warmup 5 --full-load --compile batch --skip-nobatch --out $OUT/h200-image.jsonl >> $L 2>&1
-echo "=== rc=$? at $(( $(date +%s) - T0 ))s" >> $L
+COMMIT=$1
+source bench/device/image_call.sh
+step 520 bench.compare_image --size sd15 --batch-sizes 1,8 --steps 20 --duration 15 \
+    --warmup 5 --full-load --compile batch --skip-nobatch --out $OUT/h200-image.jsonl
 grep -h "compiled\|failed" /tmp/texel-test-*.log >> $L

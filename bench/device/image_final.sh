@@ -6,18 +6,8 @@
 # (`bench.image_unet`). Results come back under $OUT.
 #   carry: .whl .whlx (bench/device/bundle.sh); both default models moved out of the tree
 #   command: bash bench/device/image_final.sh COMMIT
-T0=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl .whlx/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD TEXEL_COMMIT=$1 PYTHONUNBUFFERED=1
-L=$OUT/bench.log
-nvidia-smi --query-gpu=name,driver_version --format=csv > $L
-step() {  # step SECONDS MODULE ARGS...: one benchmark, its output in the log
-    local limit=$1; shift
-    echo "=== $* at $(( $(date +%s) - T0 ))s" >> $L
-    timeout "$limit" python3 -m "$@" >> $L 2>&1
-    echo "=== rc=$? at $(( $(date +%s) - T0 ))s" >> $L
-}
+COMMIT=$1
+source bench/device/image_call.sh
 step 330 bench.compare_image --size sd15 --batch-sizes 1,4,8 --steps 20 \
     --duration 15 --warmup 5 --full-load --out $OUT/h200-image.jsonl
 step 80 bench.image_unet --variants eager,channels_last --out $OUT/h200-image.jsonl

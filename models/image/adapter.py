@@ -44,6 +44,18 @@ log = logging.getLogger(__name__)
 DEFAULTS_FILE = "texel.json"  # optional {"num_inference_steps", "guidance_scale"}
 
 
+def compile_unet(unet, mode: str):
+    """`torch.compile` of a UNet as `TEXEL_IMAGE__COMPILE` asks. `batch`: torch's own
+    dynamic-shape policy, where the first batch size gets a graph of its own and the next
+    one a graph with a symbolic batch size that serves every size after it; image sizes
+    stay specialized. `dynamic`: every size symbolic (one compilation; on an H200 its
+    kernels were slower at batch 8 than eager ones)."""
+    # Without duck shaping a batch dimension that happens to equal another size (4
+    # latent channels, 4 rows) stays symbolic instead of being fixed to it.
+    fx_config.use_duck_shape = False
+    return torch.compile(unet, dynamic=True if mode == "dynamic" else None)
+
+
 @dataclass(frozen=True)
 class ImageRequest:
     """A validated /generate request; None means "the model's default"."""
@@ -134,7 +146,7 @@ class ImageGenerator:
             pipe.set_progress_bar_config(disable=True)
             pipe.to(device)
             if self.compile_setting != "off":
-                pipe.unet = self._compiled(pipe.unet)
+                pipe.unet = compile_unet(pipe.unet, self.compile_setting)
             self._pipes[str(device)] = pipe
         first = next(iter(self._pipes.values()))
         self.defaults = self._read_defaults(first)
@@ -169,16 +181,6 @@ class ImageGenerator:
         self.defaults = info["defaults"]
         self.size_multiple = info["size_multiple"]
         self._prompt_tokenizer = info["tokenizer"]
-
-    def _compiled(self, unet):
-        """`batch`: torch's own dynamic-shape policy. The first batch size gets a graph of
-        its own; the next one, a graph with a symbolic batch size that serves every size
-        after it; image sizes stay specialized. `dynamic`: every size symbolic (one
-        compilation; on an H200 its kernels were slower at batch 8 than eager ones)."""
-        # Without duck shaping a batch dimension that happens to equal another size (4
-        # latent channels, 4 rows) stays symbolic instead of being fixed to it.
-        fx_config.use_duck_shape = False
-        return torch.compile(unet, dynamic=True if self.compile_setting == "dynamic" else None)
 
     def warmup(self, device: torch.device, max_batch_size: int) -> None:
         """A full batch at the default settings on `device`, on its worker thread. A
