@@ -16,6 +16,11 @@ compared with the faster of the two. With `--full-load`, also `texel`
 at twice the largest B: the clients of one batch then send their next requests while
 the other half's batch runs, so every batch is full and the served rate is compared
 with `raw` at that batch size, which is what serving costs on top of the pipeline.
+
+Each record is appended as soon as it is measured, so a run cut off by a time limit
+keeps what it measured. `--client-processes` splits the closed-loop clients over
+processes (each answer is a megabyte of JSON, which one client process reads one at a
+time); `--model-dir` keeps the built pipeline there for the next run to reuse.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -186,7 +192,9 @@ def raw_throughput(model: Path, batch_sizes: list[int], steps: int, guidance: fl
     return out
 
 
-def served(model: Path, concurrency: list[int], max_batch: int, args) -> list[tuple]:
+def served(model: Path, concurrency: list[int], max_batch: int, args) -> Iterator[tuple]:
+    """Texel serving `model`, driven at each level in turn: (level, LoadResult) as each
+    is measured."""
     workload = Workload(
         "POST", "/generate", lambda i: {"json": {"prompt": PROMPTS[i % len(PROMPTS)], "seed": i}}
     )
@@ -201,10 +209,11 @@ def served(model: Path, concurrency: list[int], max_batch: int, args) -> list[tu
         env["TEXEL_IMAGE__COMPILE"] = args.compile
     proc = ServerProcess(env, ready_timeout=900)  # compiling the UNet takes minutes
     try:
-        return [
-            (level, closed_loop_processes(proc.url, workload, level, args.duration, args.warmup))
-            for level in concurrency
-        ]
+        for level in concurrency:
+            load = closed_loop_processes(
+                proc.url, workload, level, args.duration, args.warmup, args.client_processes
+            )
+            yield level, load
     finally:
         proc.stop()
 
@@ -220,6 +229,19 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="split each closed-loop client over this many processes",
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="build the pipeline here, or reuse the one an earlier run built here (same "
+        "--size, --steps and --guidance)",
+    )
     parser.add_argument(
         "--compile",
         choices=("off", "batch", "dynamic"),
@@ -237,8 +259,16 @@ def main() -> None:
     out = args.out or gpu_results_file()
     base = record_base("image", "bench.compare_image", args)
     records = []
+
+    def keep(record: dict) -> None:
+        records.append(record)
+        append_records([record], out)
+        print(json.dumps(record), flush=True)
+
     with tempfile.TemporaryDirectory(prefix="texel-sd-") as tmp:
-        model = build_pipeline(Path(tmp), SHAPES[args.size], args.steps, args.guidance)
+        model = args.model_dir or Path(tmp)
+        if not (model / "model_index.json").exists():
+            build_pipeline(model, SHAPES[args.size], args.steps, args.guidance)
         rates = {"raw": raw_throughput(model, args.batch_sizes, args.steps, args.guidance,
                                        args.repeats)}  # fmt: skip
         if args.compile != "off":
@@ -250,30 +280,30 @@ def main() -> None:
                 args.repeats,
                 compile=args.compile,
             )
+        for server, by_size in rates.items():
+            for size, rate in by_size.items():
+                keep({**base, "server": server, "concurrency": size,
+                      "throughput_rps": round(rate, 3)})  # fmt: skip
         raw = {size: max(r[size] for r in rates.values()) for size in args.batch_sizes}
         largest = max(args.batch_sizes)
         levels = args.batch_sizes + ([2 * largest] if args.full_load else [])
-        runs = [("texel", *run) for run in served(model, levels, largest, args)]
+        servers = [("texel", levels, largest)]
         if not args.skip_nobatch:
-            runs += [("texel-nobatch", *run) for run in served(model, [largest], 1, args)]
-        for server, by_size in rates.items():
-            for size, rate in by_size.items():
-                records.append({**base, "server": server, "concurrency": size,
-                                "throughput_rps": round(rate, 3)})  # fmt: skip
-        for server, level, result in runs:
-            summary = result.summary()
-            record = {**base, "server": server, "concurrency": level,
-                      **{k: summary[k] for k in ("throughput_rps", "p50_ms", "p95_ms", "p99_ms",
-                                                 "errors", "mean_batch_size")}}  # fmt: skip
-            # Batches hold at most `largest`: past it, compare with raw at that size (the
-            # faster of eager and compiled).
-            batch = min(level, largest) if server == "texel" else None
-            if batch in raw:
-                record["share_of_raw"] = round(summary["throughput_rps"] / raw[batch], 3)
-                record["max_batch_size"] = largest
-            records.append(record)
-            print(json.dumps(record), flush=True)
-    append_records(records, out)
+            servers.append(("texel-nobatch", [largest], 1))
+        for server, server_levels, max_batch in servers:
+            for level, result in served(model, server_levels, max_batch, args):
+                summary = result.summary()
+                kept = ("throughput_rps", "p50_ms", "p95_ms", "p99_ms", "errors", "mean_batch_size")
+                record = {**base, "server": server, "concurrency": level,
+                          "client_processes": args.client_processes,
+                          **{k: summary[k] for k in kept}}  # fmt: skip
+                # Batches hold at most `largest`: past it, compare with raw at that size
+                # (the faster of eager and compiled).
+                batch = min(level, largest) if server == "texel" else None
+                if batch in raw:
+                    record["share_of_raw"] = round(summary["throughput_rps"] / raw[batch], 3)
+                    record["max_batch_size"] = largest
+                keep(record)
     print(f"\n{base['gpu']}; commit {base['commit']}; {args.size}, {args.steps} steps\n")
     print("| server | concurrency | images/s | p50 ms | p99 ms | batch | share of raw |")
     print("|---|---:|---:|---:|---:|---:|---:|")
