@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from bench.common import append_records, commit, settings_env
-from bench.compare import gpu_name, gpu_results_file
+from bench.compare import gpu_name, gpu_results_file, scrape, texel_extras
 from bench.load import Workload, closed_loop_processes
 from bench.server import ServerProcess
 from models.tiny import byte_level_vocab
@@ -193,8 +193,8 @@ def raw_throughput(model: Path, batch_sizes: list[int], steps: int, guidance: fl
 
 
 def served(model: Path, concurrency: list[int], max_batch: int, args) -> Iterator[tuple]:
-    """Texel serving `model`, driven at each level in turn: (level, LoadResult) as each
-    is measured."""
+    """Texel serving `model`, driven at each level in turn: (level, LoadResult, what
+    Texel's /metrics say of it) as each is measured."""
     workload = Workload(
         "POST", "/generate", lambda i: {"json": {"prompt": PROMPTS[i % len(PROMPTS)], "seed": i}}
     )
@@ -210,10 +210,11 @@ def served(model: Path, concurrency: list[int], max_batch: int, args) -> Iterato
     proc = ServerProcess(env, ready_timeout=900)  # compiling the UNet takes minutes
     try:
         for level in concurrency:
+            before = scrape(proc.url)
             load = closed_loop_processes(
                 proc.url, workload, level, args.duration, args.warmup, args.client_processes
             )
-            yield level, load
+            yield level, load, texel_extras(before, scrape(proc.url))
     finally:
         proc.stop()
 
@@ -291,12 +292,12 @@ def main() -> None:
         if not args.skip_nobatch:
             servers.append(("texel-nobatch", [largest], 1))
         for server, server_levels, max_batch in servers:
-            for level, result in served(model, server_levels, max_batch, args):
+            for level, result, extras in served(model, server_levels, max_batch, args):
                 summary = result.summary()
                 kept = ("throughput_rps", "p50_ms", "p95_ms", "p99_ms", "errors", "mean_batch_size")
                 record = {**base, "server": server, "concurrency": level,
                           "client_processes": args.client_processes,
-                          **{k: summary[k] for k in kept}}  # fmt: skip
+                          **{k: summary[k] for k in kept}, **extras}  # fmt: skip
                 # Batches hold at most `largest`: past it, compare with raw at that size
                 # (the faster of eager and compiled).
                 batch = min(level, largest) if server == "texel" else None
