@@ -10,10 +10,10 @@
 COMMIT=$1
 source bench/device/image_call.sh
 run() {
-    step 140 bench.compare_image --size sd15 --steps 20 --duration 15 --warmup 5 \
+    step ${LIMIT:-140} bench.compare_image --size sd15 --steps 20 --duration 15 --warmup 5 \
         --skip-nobatch --repeats 2 --model-dir /tmp/sd15 --out $OUT/h200-image.jsonl "$@"
 }
-run --batch-sizes 4,8 --client-processes 4
-TEXEL_IMAGE__MAX_REJOIN_MS=250 run --batch-sizes 4,8 --client-processes 4
+LIMIT=170 run --batch-sizes 4,8 --client-processes 4
+TEXEL_IMAGE__MAX_REJOIN_MS=250 LIMIT=170 run --batch-sizes 4,8 --client-processes 4
 TEXEL_IMAGE__MAX_REJOIN_MS=500 run --batch-sizes 8 --client-processes 4
 run --batch-sizes 8 --client-processes 1
