@@ -67,3 +67,28 @@ def test_raw_throughput_compiles_the_unet_when_asked(tmp_path, monkeypatch):
     assert not compiled
     assert raw_throughput(model, [1], 2, 7.5, repeats=1, compile="dynamic")[1] > 0
     assert compiled == [{"dynamic": True}]
+
+
+def test_compare_image_records_each_level_with_texels_stage_times(tmp_path):
+    """A real Texel serving the tiny pipeline over a socket: every record is in the
+    results file, Texel's with the stage times its /metrics gave, and the built pipeline
+    stays in --model-dir for the next run."""
+    out, model = tmp_path / "cpu.jsonl", tmp_path / "sd"
+    args = "--size tiny --batch-sizes 1,2 --steps 2 --repeats 1 --duration 2 --warmup 0.5"
+    args += " --skip-nobatch --client-processes 2"
+    subprocess.run(
+        [sys.executable, "-m", "bench.compare_image", *args.split()]
+        + ["--model-dir", str(model), "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["server"], r["concurrency"]) for r in records] == [
+        ("raw", 1), ("raw", 2), ("texel", 1), ("texel", 2)
+    ]  # fmt: skip
+    for r in records[2:]:
+        assert r["client_processes"] == 2 and not r["errors"] and r["throughput_rps"] > 0
+        assert r["stage_mean_ms"]["generate"] > 0 and "queue.wait" in r["stage_mean_ms"]
+        assert r["server_mean_batch_size"] >= 1 and r["share_of_raw"] > 0
+    assert (model / "model_index.json").exists() and (model / "unet").is_dir()
