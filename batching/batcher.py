@@ -32,7 +32,15 @@ from batching.errors import (
     Draining,
     OutOfMemory,
 )
-from batching.queue import BatchPlan, BatchPolicy, BucketQueue, DrainRate, Pending, State
+from batching.queue import (
+    BatchPlan,
+    BatchPolicy,
+    BucketQueue,
+    DrainRate,
+    Pending,
+    ReturnRate,
+    State,
+)
 from batching.stream import Feed, Joined, StreamRunner
 
 log = logging.getLogger(__name__)
@@ -183,6 +191,8 @@ class Batcher:
         # How many requests each idle worker's last batch held: their clients may be on
         # their way back (BatchPolicy.max_rejoin_s). A stream's count is 0.
         self._returning: dict[str, int] = {w.name: 0 for w in self._workers}
+        # Whether they do come back: while not, no rejoin wait (BucketQueue.rejoin_s).
+        self._returns = ReturnRate(policy.max_rejoin_s)
         self._executors: dict[str, Executor] = {}
         self._owned: list[ThreadPoolExecutor] = []
         for w in self._workers:
@@ -285,6 +295,7 @@ class Batcher:
         except Exception:
             self._observer.rejected(self.name, "queue_full")
             raise
+        self._returns.arrival(now)
         self._observer.queue_depth(self.name, len(self._queue))
         self._wake()
         try:
@@ -342,6 +353,16 @@ class Batcher:
     def _plan_batches(self) -> None:
         self.scheduling_steps += 1
         now = self._clock()
+        if self._returns.update(now):
+            returning = self._returns.returning
+            self._queue.rejoin_s = self.policy.max_rejoin_s if returning else 0.0
+            log.info(
+                "batcher %s: finished batches' clients %s; %s for them (up to %g ms)",
+                self.name,
+                "come back" if returning else "do not come back",
+                "waiting" if returning else "not waiting",
+                self.policy.max_rejoin_s * 1000,
+            )
         for item in self._queue.expire(now):
             self._fail(item, DeadlineExceeded("the request waited past its deadline"), "deadline")
         # Idle workers first: a device with nothing queued on it is the least loaded.
@@ -398,6 +419,7 @@ class Batcher:
         self._inflight -= 1
         self._free_since[worker.name] = self._clock()
         self._returning[worker.name] = returning
+        self._returns.freed(self._free_since[worker.name], returning)
         self._idle.append(worker)
         self._wake()
 

@@ -53,7 +53,9 @@ class BatchPolicy:
     the batch holds, none queues while it runs, and without it the first clients back
     would launch a part batch and the rest the next, two cohorts for good. It launches
     as soon as they are back, so a lone user (a batch of one) waits for nothing, not
-    even `max_wait_s`.
+    even `max_wait_s`. Both waits are for clients that come back; when a batch's
+    clients stop coming back within the window (independent users, arriving at
+    random), the batcher stops waiting for them (`ReturnRate`).
     """
 
     max_batch_size: int = 8
@@ -74,6 +76,56 @@ class BatchPolicy:
             raise ValueError("max_linger_s must not be negative")
         if self.max_rejoin_s < 0:
             raise ValueError("max_rejoin_s must not be negative")
+
+
+class ReturnRate:
+    """Whether the clients of finished batches come back within the rejoin window.
+
+    For each finished batch of `k` requests it counts the arrivals in the `window_s`
+    after it and averages `min(1, arrivals / k)` over recent batches (exponentially,
+    weight `smoothing`). Closed-loop clients, each sending its next request once its
+    answer is in, give the share of them back within the window: about 1 when the
+    window covers their spread. Independent users arriving at random at a rate r fill
+    batches of about r times the batch's duration T, and r times the window W arrive
+    in it: about W / T, under a half for any window shorter than half a batch (images:
+    250 ms against about a second). While the average is below `threshold` the
+    batcher does not wait for returns at all; it counts on, so clients that start
+    coming back turn the wait on again within a few batches. It starts at 1
+    (waiting), the closed loop being where waiting matters.
+    """
+
+    def __init__(self, window_s: float, threshold: float = 0.5, smoothing: float = 0.3):
+        self.window_s = window_s
+        self.threshold = threshold
+        self.smoothing = smoothing
+        self.ratio = 1.0
+        self._open: deque[tuple[float, int]] = deque()  # (freed at, batch size)
+        self._arrivals: deque[float] = deque()  # since the oldest open window began
+
+    @property
+    def returning(self) -> bool:
+        return self.ratio >= self.threshold
+
+    def freed(self, now: float, size: int) -> None:
+        """A batch of `size` requests finished at `now` (a stream's size is 0: none)."""
+        if size and self.window_s:
+            self._open.append((now, size))
+
+    def arrival(self, now: float) -> None:
+        if self._open:
+            self._arrivals.append(now)
+
+    def update(self, now: float) -> bool:
+        """Close the windows that have ended; True if `returning` changed."""
+        before = self.returning
+        while self._open and now >= self._open[0][0] + self.window_s:
+            start, size = self._open.popleft()
+            back = sum(1 for t in self._arrivals if start <= t < start + self.window_s)
+            self.ratio += self.smoothing * (min(1.0, back / size) - self.ratio)
+        oldest = self._open[0][0] if self._open else math.inf
+        while self._arrivals and self._arrivals[0] < oldest:
+            self._arrivals.popleft()
+        return self.returning != before
 
 
 class State(enum.Enum):
@@ -122,6 +174,8 @@ class BucketQueue:
         self._size = 0
         self._cost = 0.0
         self._last_arrival = float("-inf")
+        # The rejoin window in use: the policy's, or 0 while clients do not come back.
+        self.rejoin_s = policy.max_rejoin_s
 
     def __len__(self) -> int:
         return self._size
@@ -194,7 +248,7 @@ class BucketQueue:
         """How many requests this bucket's batch may hold once the `awaited` clients of
         the finished batch are back: those that queued behind it, plus them (0: none are
         awaited, or the policy has no rejoin window to wait in)."""
-        if not awaited or not self.policy.max_rejoin_s:
+        if not awaited or not self.rejoin_s:
             return 0
         queues = self._buckets.values() if self.policy.merge_buckets else [items]
         behind = sum(1 for q in queues for item in q if item.enqueued_at < free_since)
@@ -207,13 +261,13 @@ class BucketQueue:
         start = max(items[0].enqueued_at, free_since)
         wait = policy.max_wait_s
         if items[0].enqueued_at < free_since:  # it queued behind busy workers
-            wait = max(wait, policy.max_rejoin_s)
+            wait = max(wait, self.rejoin_s)
         paused = max(self._latest_arrival(items), free_since) + policy.max_wait_s
         cap = start + wait + policy.max_linger_s
         launch = max(start + wait, min(paused, cap))
         if self._queued(items) < expected:
             # Some of the finished batch's clients may still be on their way back.
-            launch = max(launch, free_since + policy.max_rejoin_s)
+            launch = max(launch, free_since + self.rejoin_s)
         return launch
 
     def next_batch(

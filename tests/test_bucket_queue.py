@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batching import BatchPolicy, BucketQueue, DrainRate, Pending, QueueFull
+from batching.queue import ReturnRate
 
 
 def pending(bucket, at: float, timeout: float = 10.0, name: str = "") -> Pending:
@@ -298,3 +299,17 @@ def test_a_scheduler_woken_at_next_wakeup_finds_a_batch_or_an_expired_request(
     assert wakeup is not None and wakeup > now
     expired = any(item.deadline <= wakeup for item in queue)
     assert expired or queue.next_batch(wakeup, free_since=free_since) is not None
+
+
+def test_return_rate_averages_the_share_of_each_batch_back_within_the_window():
+    rate = ReturnRate(window_s=0.5, threshold=0.5, smoothing=0.5)
+    rate.freed(0.0, 4)
+    for t in (0.1, 0.2, 0.6):  # two of the four back within the window, one after it
+        rate.arrival(t)
+    assert not rate.update(0.4) and rate.ratio == 1.0  # the window is not over yet
+    assert not rate.update(0.5) and rate.ratio == 0.75 and rate.returning
+    rate.freed(1.0, 2)  # nobody comes back after this one
+    assert rate.update(1.5) and rate.ratio == 0.375 and not rate.returning
+    rate.freed(2.0, 0)  # a stream: no clients to wait for, nothing measured
+    rate.arrival(2.1)
+    assert not rate.update(3.0) and rate.ratio == 0.375
