@@ -26,6 +26,7 @@ time); `--model-dir` keeps the built pipeline there for the next run to reuse.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -38,7 +39,7 @@ import torch
 
 from bench.common import append_records, commit, settings_env
 from bench.compare import gpu_name, gpu_results_file, scrape, texel_extras
-from bench.load import Workload, closed_loop_processes
+from bench.load import Workload, closed_loop_processes, open_loop
 from bench.server import ServerProcess
 from models.tiny import byte_level_vocab
 
@@ -192,9 +193,12 @@ def raw_throughput(model: Path, batch_sizes: list[int], steps: int, guidance: fl
     return out
 
 
-def served(model: Path, concurrency: list[int], max_batch: int, args) -> Iterator[tuple]:
-    """Texel serving `model`, driven at each level in turn: (level, LoadResult, what
-    Texel's /metrics say of it) as each is measured."""
+def served(
+    model: Path, concurrency: list[int], max_batch: int, args, rates: list[float] = ()
+) -> Iterator[tuple]:
+    """Texel serving `model`, driven at each closed-loop level, then at each Poisson
+    arrival rate, in turn: (level or "poisson@rate", LoadResult, what Texel's /metrics
+    say of it) as each is measured."""
     workload = Workload(
         "POST", "/generate", lambda i: {"json": {"prompt": PROMPTS[i % len(PROMPTS)], "seed": i}}
     )
@@ -215,6 +219,10 @@ def served(model: Path, concurrency: list[int], max_batch: int, args) -> Iterato
                 proc.url, workload, level, args.duration, args.warmup, args.client_processes
             )
             yield level, load, texel_extras(before, scrape(proc.url))
+        for rate in rates:
+            before = scrape(proc.url)
+            load = asyncio.run(open_loop(proc.url, workload, rate, args.duration))
+            yield f"poisson@{rate:g}", load, texel_extras(before, scrape(proc.url))
     finally:
         proc.stop()
 
@@ -250,6 +258,12 @@ def main() -> None:
         help="TEXEL_IMAGE__COMPILE for the served runs; raw is then timed compiled too",
     )
     parser.add_argument("--skip-nobatch", action="store_true", help="leave out texel-nobatch")
+    parser.add_argument(
+        "--rates",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[],
+        help="then serve Poisson arrivals at these rates (images/s), open loop",
+    )
     parser.add_argument(
         "--full-load",
         action="store_true",
@@ -288,11 +302,11 @@ def main() -> None:
         raw = {size: max(r[size] for r in rates.values()) for size in args.batch_sizes}
         largest = max(args.batch_sizes)
         levels = args.batch_sizes + ([2 * largest] if args.full_load else [])
-        servers = [("texel", levels, largest)]
+        servers = [("texel", levels, largest, args.rates)]
         if not args.skip_nobatch:
-            servers.append(("texel-nobatch", [largest], 1))
-        for server, server_levels, max_batch in servers:
-            for level, result, extras in served(model, server_levels, max_batch, args):
+            servers.append(("texel-nobatch", [largest], 1, []))
+        for server, server_levels, max_batch, rates in servers:
+            for level, result, extras in served(model, server_levels, max_batch, args, rates):
                 summary = result.summary()
                 kept = ("throughput_rps", "p50_ms", "p95_ms", "p99_ms", "errors", "mean_batch_size")
                 record = {**base, "server": server, "concurrency": level,
@@ -300,7 +314,8 @@ def main() -> None:
                           **{k: summary[k] for k in kept}, **extras}  # fmt: skip
                 # Batches hold at most `largest`: past it, compare with raw at that size
                 # (the faster of eager and compiled).
-                batch = min(level, largest) if server == "texel" else None
+                closed = server == "texel" and isinstance(level, int)
+                batch = min(level, largest) if closed else None
                 if batch in raw:
                     record["share_of_raw"] = round(summary["throughput_rps"] / raw[batch], 3)
                     record["max_batch_size"] = largest
