@@ -121,6 +121,11 @@ class BatchObserver(Protocol):
 
     def rejected(self, batcher: str, reason: str) -> None: ...
 
+    def returns(self, batcher: str, ratio: float) -> None:
+        """The share of finished batches' clients back within the rejoin window changed
+        (`ReturnRate.ratio`)."""
+        ...
+
 
 class _NullObserver:
     @contextlib.contextmanager
@@ -137,6 +142,9 @@ class _NullObserver:
         pass
 
     def rejected(self, batcher: str, reason: str) -> None:
+        pass
+
+    def returns(self, batcher: str, ratio: float) -> None:
         pass
 
 
@@ -193,6 +201,8 @@ class Batcher:
         self._returning: dict[str, int] = {w.name: 0 for w in self._workers}
         # Whether they do come back: while not, no rejoin wait (BucketQueue.rejoin_s).
         self._returns = ReturnRate(policy.max_rejoin_s)
+        if policy.max_rejoin_s:
+            self._observer.returns(name, self._returns.ratio)
         self._executors: dict[str, Executor] = {}
         self._owned: list[ThreadPoolExecutor] = []
         for w in self._workers:
@@ -207,6 +217,7 @@ class Batcher:
         self._idle_event = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
         self._draining = False
+        self._stopping = False
         self.scheduling_steps = 0  # how often the scheduler woke up (tests check it idles)
 
     # -- lifecycle -----------------------------------------------------------
@@ -233,6 +244,9 @@ class Batcher:
     async def close(self) -> None:
         """Stop the scheduler and the worker threads. Call `drain()` first to finish work."""
         self._draining = True
+        # The flag as well as the cancellation: asyncio.wait_for (Python 3.11) swallows a
+        # cancellation that arrives as the event it waits for is set.
+        self._stopping = True
         if self._scheduler is not None:
             self._scheduler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -338,7 +352,7 @@ class Batcher:
         self._wakeup.set()
 
     async def _schedule(self) -> None:
-        while True:
+        while not self._stopping:
             self._wakeup.clear()
             try:
                 self._plan_batches()
@@ -346,6 +360,10 @@ class Batcher:
                 log.exception("batcher %s: scheduling step failed", self.name)
             # With every worker busy only deadlines matter: a finishing batch wakes us.
             wakeup = self._queue.next_wakeup(bool(self._idle), self._idle_since(), self._awaited())
+            # And when a rejoin window ends, to count who came back in it.
+            close = self._returns.next_close()
+            if close is not None:
+                wakeup = close if wakeup is None else min(wakeup, close)
             timeout = None if wakeup is None else max(0.0, wakeup - self._clock())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
@@ -353,6 +371,7 @@ class Batcher:
     def _plan_batches(self) -> None:
         self.scheduling_steps += 1
         now = self._clock()
+        ratio = self._returns.ratio
         if self._returns.update(now):
             returning = self._returns.returning
             self._queue.rejoin_s = self.policy.max_rejoin_s if returning else 0.0
@@ -363,6 +382,8 @@ class Batcher:
                 "waiting" if returning else "not waiting",
                 self.policy.max_rejoin_s * 1000,
             )
+        if self._returns.ratio != ratio:
+            self._observer.returns(self.name, self._returns.ratio)
         for item in self._queue.expire(now):
             self._fail(item, DeadlineExceeded("the request waited past its deadline"), "deadline")
         # Idle workers first: a device with nothing queued on it is the least loaded.

@@ -111,6 +111,10 @@ class ReturnRate:
         if size and self.window_s:
             self._open.append((now, size))
 
+    def next_close(self) -> float | None:
+        """When the oldest open window ends (None: none is open)."""
+        return self._open[0][0] + self.window_s if self._open else None
+
     def arrival(self, now: float) -> None:
         if self._open:
             self._arrivals.append(now)
