@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import statistics
 import sys
@@ -39,7 +40,7 @@ import torch
 
 from bench.common import append_records, commit, settings_env
 from bench.compare import gpu_name, gpu_results_file, scrape, texel_extras
-from bench.load import Workload, closed_loop_processes, open_loop
+from bench.load import LoadResult, Workload, closed_loop_processes, open_loop
 from bench.server import ServerProcess
 from models.tiny import byte_level_vocab
 
@@ -212,17 +213,22 @@ def served(
     if args.compile != "off":
         env["TEXEL_IMAGE__COMPILE"] = args.compile
     proc = ServerProcess(env, ready_timeout=900)  # compiling the UNet takes minutes
+
+    def closed(level: int) -> LoadResult:
+        return closed_loop_processes(
+            proc.url, workload, level, args.duration, args.warmup, args.client_processes
+        )
+
+    def poisson(rate: float) -> LoadResult:
+        return asyncio.run(open_loop(proc.url, workload, rate, args.duration))
+
+    loads = [(level, functools.partial(closed, level)) for level in concurrency]
+    loads += [(f"poisson@{rate:g}", functools.partial(poisson, rate)) for rate in rates]
     try:
-        for level in concurrency:
+        for label, drive in loads:
             before = scrape(proc.url)
-            load = closed_loop_processes(
-                proc.url, workload, level, args.duration, args.warmup, args.client_processes
-            )
-            yield level, load, texel_extras(before, scrape(proc.url))
-        for rate in rates:
-            before = scrape(proc.url)
-            load = asyncio.run(open_loop(proc.url, workload, rate, args.duration))
-            yield f"poisson@{rate:g}", load, texel_extras(before, scrape(proc.url))
+            result = drive()
+            yield label, result, texel_extras(before, scrape(proc.url))
     finally:
         proc.stop()
 

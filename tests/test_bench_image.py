@@ -11,29 +11,19 @@ from bench.compare_image import TINY, build_pipeline, raw_throughput
 from bench.server import ROOT
 
 
+def run_bench(module: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m module args...` from the repository root, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, check=check, capture_output=True, text=True
+    )
+
+
 def test_image_unet_records_each_variant_with_the_command_and_commit(tmp_path):
     out = tmp_path / "cpu.jsonl"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.image_unet",
-            "--size",
-            "tiny",
-            "--batch-sizes",
-            "1,2",
-            "--steps",
-            "2",
-            "--repeats",
-            "1",
-            "--variants",
-            "eager,channels_last",
-            "--out",
-            str(out),
-        ],  # fmt: skip
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
+    run_bench(
+        "bench.image_unet",
+        *["--size", "tiny", "--batch-sizes", "1,2", "--steps", "2", "--repeats", "1"],
+        *["--variants", "eager,channels_last", "--out", str(out)],
     )
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["variant"], r["batch_size"]) for r in records] == [
@@ -46,12 +36,7 @@ def test_image_unet_records_each_variant_with_the_command_and_commit(tmp_path):
 
 
 def test_image_unet_refuses_an_unknown_variant():
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.image_unet", "--variants", "eager,fast"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    result = run_bench("bench.image_unet", "--variants", "eager,fast", check=False)
     assert result.returncode == 2 and "unknown variants ['fast']" in result.stderr
 
 
@@ -76,13 +61,7 @@ def test_compare_image_records_each_level_with_texels_stage_times(tmp_path):
     out, model = tmp_path / "cpu.jsonl", tmp_path / "sd"
     args = "--size tiny --batch-sizes 1,2 --steps 2 --repeats 1 --duration 2 --warmup 0.5"
     args += " --skip-nobatch --client-processes 2"
-    subprocess.run(
-        [sys.executable, "-m", "bench.compare_image", *args.split()]
-        + ["--model-dir", str(model), "--out", str(out)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
+    run_bench("bench.compare_image", *args.split(), "--model-dir", str(model), "--out", str(out))
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["server"], r["concurrency"]) for r in records] == [
         ("raw", 1), ("raw", 2), ("texel", 1), ("texel", 2)
