@@ -3,79 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
-import signal
 import sys
 
-import uvicorn
-
-from app.http_processes import HttpProcesses, reuseport_socket
-from app.main import build_app
-from app.serving import process_plan
-from app.settings import Settings
-from models.devices import resolve_devices
-from telemetry import setup_logging
-from telemetry.resources import usable_cores
-
-log = logging.getLogger("texel")
-
-
-class TexelServer(uvicorn.Server):
-    """uvicorn, with a graceful drain on SIGTERM/SIGINT.
-
-    The first signal marks the server not ready (load balancers stop sending),
-    waits `shutdown_grace_s`, lets queued and running requests finish, then
-    stops. A second signal stops at once.
-    """
-
-    def __init__(self, config: uvicorn.Config, runtime) -> None:
-        super().__init__(config)
-        self.runtime = runtime
-        self._draining: asyncio.Task | None = None
-
-    def handle_exit(self, sig: int, frame) -> None:
-        if self._draining is not None or self.should_exit:
-            return super().handle_exit(sig, frame)
-        log.info("received %s: draining", signal.Signals(sig).name)
-        self.runtime.draining = True
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return super().handle_exit(sig, frame)
-        self._draining = loop.create_task(self._drain_then_exit(sig, frame))
-
-    async def _drain_then_exit(self, sig: int, frame) -> None:
-        try:
-            await asyncio.sleep(self.runtime.settings.shutdown_grace_s)
-            await self.runtime.drain()
-        finally:
-            super().handle_exit(sig, frame)
-
-
-def serve(host: str, port: int) -> None:
-    settings = Settings()
-    setup_logging(settings.log_format, settings.log_level)
-    app = build_app(settings)
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_config=None,
-        timeout_keep_alive=settings.keep_alive_s,
-        timeout_graceful_shutdown=int(settings.drain_timeout_s) + 5,
-    )
-    server = TexelServer(config, app.state.runtime)
-    plan = process_plan(settings, resolve_devices(settings.device), usable_cores())
-    if plan.http_processes == 1:
-        server.run()
-        return
-    # The other HTTP processes listen on the same port (SO_REUSEPORT).
-    sock = reuseport_socket(host, port)
-    address = sock.getsockname()[:2]
-    app.state.runtime.http_processes = HttpProcesses(address, plan.http_processes - 1)
-    log.info("serving on http://%s:%d in %d processes", host, address[1], plan.http_processes)
-    server.run(sockets=[sock])
+from app.launcher import serve
 
 
 def diagnose(url: str, window_s: float, api_key: str | None) -> int:

@@ -10,7 +10,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from batching import BatchFailed, BatchingError, Cancelled, DeadlineExceeded, Draining, QueueFull
+from engine.errors import (
+    BatchFailed,
+    BatchingError,
+    Cancelled,
+    DeadlineExceeded,
+    Draining,
+    EngineUnavailable,
+    NotReady,
+    QueueFull,
+    UnknownModel,
+)
 from models.errors import (
     CorruptImage,
     ImageTooLarge,
@@ -32,9 +42,6 @@ class ApiError(Exception):
         self.code = code
         self.message = message
         self.headers = headers or {}
-
-    def __reduce__(self):  # raised in the serving process, answered by an HTTP process
-        return (type(self), (self.status, self.code, self.message, self.headers))
 
 
 def malformed(message: str) -> ApiError:
@@ -72,6 +79,12 @@ def to_api_error(exc: Exception) -> ApiError:
         return ApiError(503, exc.code, exc.message, {"Retry-After": "1"})
     if isinstance(exc, Cancelled):
         return ApiError(499, exc.code, exc.message)
+    if isinstance(exc, NotReady):
+        return ApiError(503, exc.code, exc.message, {"Retry-After": "5"})
+    if isinstance(exc, EngineUnavailable):
+        return ApiError(503, exc.code, exc.message, {"Retry-After": "1"})
+    if isinstance(exc, UnknownModel):
+        return ApiError(404, "model_disabled", exc.message)
     if isinstance(exc, BatchFailed | BatchingError):
         return ApiError(500, exc.code, exc.message)
     return ApiError(500, "internal_error", "an unexpected error occurred; see the server log")

@@ -13,21 +13,19 @@ from app.http import BodySizeLimit
 from app.routes import router
 from app.serving import Runtime
 from app.settings import Settings
-from telemetry import setup_logging, setup_tracing, shutdown_tracing
+from engine import EngineClient
+from models.base import Model
+from telemetry import setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
 
 UNTRACED_ROUTES = "livez,readyz,metrics"
 
 
-def build_app(settings: Settings | None = None, runtime: Runtime | None = None) -> FastAPI:
-    """Assemble Texel. Models load in the background once the server starts.
-
-    `runtime`: what serves the routes; by default a `Runtime` that loads the models
-    and batches here (an extra HTTP process passes its own, app.http_processes).
-    """
-    settings = settings or Settings()
-    runtime = runtime or Runtime(settings)
+def build_app(settings: Settings, models: dict[str, Model], engines: list[EngineClient]) -> FastAPI:
+    """Assemble Texel: `models` are the request sides of the served models, `engines`
+    where their payloads run. Models load in the engines once the server starts."""
+    runtime = Runtime(settings, models, engines)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -66,10 +64,3 @@ def build_app(settings: Settings | None = None, runtime: Runtime | None = None) 
             app, excluded_urls=UNTRACED_ROUTES, exclude_spans=["receive", "send"]
         )
     return app
-
-
-def create_app() -> FastAPI:
-    """Factory for `uvicorn --factory app.main:create_app`."""
-    settings = Settings()
-    setup_logging(settings.log_format, settings.log_level)
-    return build_app(settings)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import logging
 import time
 from typing import Annotated
@@ -9,8 +10,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from app import serving
-from app.errors import ApiError, error_response, not_ready, to_api_error
+from app.errors import ApiError, error_response, to_api_error
 from app.http import check_api_key, read_image_upload, unless_disconnected
 from app.schemas import (
     ErrorBody,
@@ -20,7 +20,7 @@ from app.schemas import (
     Readiness,
     RecognizeResponse,
 )
-from app.serving import Runtime, ServedModel
+from app.serving import Runtime
 from models.errors import InputError
 from telemetry import RequestTrace, metrics
 
@@ -51,19 +51,6 @@ async def authorized(request: Request) -> None:
     check_api_key(request, runtime_of(request).settings.api_keys)
 
 
-def served_model(runtime: Runtime, key: str) -> ServedModel:
-    served = runtime.models.get(key)
-    if served is None:
-        raise ApiError(404, "model_disabled", f"the {key} model is not enabled on this server")
-    if runtime.draining:
-        raise ApiError(503, "draining", "the server is shutting down", {"Retry-After": "1"})
-    if served.state == "failed":
-        raise ApiError(503, "model_failed", f"the {key} model failed to load: {served.error}")
-    if not served.ready:
-        raise not_ready()
-    return served
-
-
 class _Observed:
     """Counts a request in flight and records its duration, status and rejection reason."""
 
@@ -92,9 +79,9 @@ async def _handle(request: Request, route: str, key: str, flow) -> Response:
     with _Observed(route, key) as observed:
         trace: RequestTrace | None = None
         try:
-            served = served_model(runtime, key)
-            trace = RequestTrace(served.name, served.adapter.operation)
-            response = await flow(runtime, served, trace)
+            model = runtime.model(key)
+            trace = RequestTrace(model.name, model.operation)
+            response = await flow(runtime, model.name, trace)
             observed.finish(response.status_code, trace.trace_id)
             return response
         except Exception as exc:
@@ -140,16 +127,16 @@ async def recognize(request: Request) -> Response:
     Send the file as multipart field `image`, or as JSON `{"image_base64": "..."}`.
     """
 
-    async def flow(runtime: Runtime, served: ServedModel, trace: RequestTrace) -> Response:
+    async def flow(runtime: Runtime, model: str, trace: RequestTrace) -> Response:
         with trace.stage("http.parse"):
             data = await read_image_upload(request, runtime.settings.max_upload_bytes)
-        latex, compact, result = await unless_disconnected(
-            request, serving.recognize(runtime, served, trace, data)
+        recognized, result = await unless_disconnected(
+            request, runtime.serve("formula", data, trace)
         )
         body = RecognizeResponse(
-            latex=latex,
-            latex_compact=compact,
-            model=served.name,
+            latex=recognized.latex,
+            latex_compact=recognized.compact,
+            model=model,
             batch_size=result.batch_size,
             timings_ms=trace.timings_ms,
         )
@@ -175,15 +162,14 @@ async def generate(request: Request, body: GenerateRequest) -> Response:
     """A text prompt in, images out. The same seed and parameters give the same image."""
     from models.image.adapter import ImageRequest
 
-    async def flow(runtime: Runtime, served: ServedModel, trace: RequestTrace) -> Response:
+    async def flow(runtime: Runtime, model: str, trace: RequestTrace) -> Response:
         with trace.stage("http.parse"):
             wants_png = "image/png" in request.headers.get("accept", "")
             if wants_png and body.num_images != 1:
                 raise ApiError(422, "invalid_parameter", "Accept: image/png needs num_images = 1")
             job = ImageRequest(**body.model_dump())
-        pngs, seeds, result = await unless_disconnected(
-            request, serving.generate(runtime, served, trace, job)
-        )
+        images, result = await unless_disconnected(request, runtime.serve("image", job, trace))
+        pngs, seeds = images.pngs, images.seeds
         if wants_png:
             return Response(
                 pngs[0],
@@ -195,10 +181,10 @@ async def generate(request: Request, body: GenerateRequest) -> Response:
             )
         out = GenerateResponse(
             images=[
-                GeneratedImage(png_base64=serving.b64(p), seed=s)
+                GeneratedImage(png_base64=base64.b64encode(p).decode("ascii"), seed=s)
                 for p, s in zip(pngs, seeds, strict=True)
             ],
-            model=served.name,
+            model=model,
             batch_size=result.batch_size,
             timings_ms=trace.timings_ms,
         )
@@ -239,7 +225,5 @@ async def bottleneck(
 
 @router.get("/metrics", summary="Prometheus metrics (OpenMetrics when asked for)")
 async def prometheus_metrics(request: Request) -> Response:
-    payload, content_type = await runtime_of(request).metrics_exposition(
-        request.headers.get("accept")
-    )
+    payload, content_type = runtime_of(request).metrics_exposition(request.headers.get("accept"))
     return Response(payload, media_type=content_type)

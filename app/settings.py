@@ -1,15 +1,27 @@
 """Texel's settings, read from `TEXEL_*` environment variables (nested with `__`).
 
 TEXEL_DEVICE=cuda:0 TEXEL_FORMULA__MAX_BATCH_SIZE=64 texel serve
+
+The settings a user chooses are at the top level and in each model's entry; the rest
+sit in `advanced` groups (docs/tuning.md says when to touch them). These classes are
+the single source of truth: docs/configuration.md is generated from them.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+if TYPE_CHECKING:
+    import torch
+
+    from models.base import Model
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 
@@ -27,24 +39,37 @@ class ModelSettings(BaseModel):
         10.0,
         ge=0,
         description="How long the first request of a bucket waits for company before its "
-        "batch runs. A continuous stream (formulas, static decoder) starts at once instead: "
-        "later requests join it at its next check.",
+        "batch runs (a continuous decode starts at once and takes company as it runs).",
     )
     max_queue: int = Field(
         256, ge=1, description="Requests waiting for a batch before new ones get 429."
     )
-    max_linger_ms: float = Field(
-        0.0,
-        ge=0,
-        description="How much longer than max_wait_ms a bucket may wait while requests "
-        "keep arriving (each within max_wait_ms of the last).",
+
+    def factory(self, settings: Settings, devices: list[torch.device]) -> Callable[[], Model]:
+        """A picklable call that makes this model (not yet opened or loaded)."""
+        raise NotImplementedError
+
+
+class FormulaAdvanced(BaseModel):
+    bucket_width: int | None = Field(
+        None,
+        ge=8,
+        description="Width step of formula buckets in input pixels; default 128 on GPUs, "
+        "64 on a CPU.",
     )
-    max_rejoin_ms: float = Field(
-        0.0,
-        ge=0,
-        description="How long requests that queued behind a busy worker wait, once it frees, "
-        "for the finished batch's clients to come back (if longer than max_wait_ms); a "
-        "request that finds a worker idle waits max_wait_ms only.",
+    decoder: Literal["auto", "static", "generate"] = Field(
+        "auto",
+        description="static: Texel's static-cache greedy decoder (CUDA graphs on GPUs); "
+        "generate: transformers' generate(); auto: static where the model supports it.",
+    )
+    continuous: bool = Field(
+        True,
+        description="With the static decoder, new requests join a running decode and each "
+        "answer returns as soon as its own formula ends.",
+    )
+    num_beams: int = Field(1, ge=1, le=16, description="1 is greedy decoding.")
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="Longest output; default from the model's generation config."
     )
 
 
@@ -53,39 +78,35 @@ class FormulaSettings(ModelSettings):
         str(MODELS_DIR / "formula" / "default"),
         description="VisionEncoderDecoderModel directory or hub id.",
     )
-    max_batch_size: int = Field(16, ge=1, le=1024)
-    max_rejoin_ms: float = Field(
-        25.0,
+    max_batch_size: int = Field(16, ge=1, le=1024, description="Largest batch run at once.")
+    advanced: FormulaAdvanced = Field(default_factory=FormulaAdvanced)
+
+    def factory(self, settings: Settings, devices: list[torch.device]) -> Callable[[], Model]:
+        from models.formula.adapter import FormulaRecognizer
+
+        a = self.advanced
+        return functools.partial(
+            FormulaRecognizer,
+            self.model,
+            devices,
+            name=self.name,
+            dtype=settings.dtype,
+            bucket_step=a.bucket_width,
+            num_beams=a.num_beams,
+            max_new_tokens=a.max_new_tokens,
+            max_pixels=settings.max_image_pixels,
+            decoder=a.decoder,
+            continuous=a.continuous,
+        )
+
+
+class ImageAdvanced(BaseModel):
+    png_compress_level: int = Field(
+        1,
         ge=0,
-        description="See ModelSettings. On an H200 with 4 HTTP processes, 25 ms served 623 "
-        "formulas/s at concurrency 256 against 414 with 0 ms (395 against 407 at 128).",
-    )
-    bucket_width: int | None = Field(
-        None,
-        ge=8,
-        description="Width granularity of formula buckets, in input pixels; default 128 "
-        "on GPUs (each width group joining a running decode costs an encoder call), 64 on "
-        "a CPU (padding costs compute).",
-    )
-    merge_buckets: bool = Field(
-        True,
-        description="Top a batch up from other width buckets: decoding costs per batch, "
-        "not per padded pixel, so one fuller batch beats several small ones.",
-    )
-    num_beams: int = Field(1, ge=1, le=16, description="1 is greedy decoding.")
-    decoder: Literal["auto", "static", "generate"] = Field(
-        "auto",
-        description="static: Texel's static-cache greedy decoder (CUDA graphs on GPUs); "
-        "generate: transformers' generate(); auto: static where the model supports it.",
-    )
-    max_new_tokens: int | None = Field(
-        None, ge=1, description="Longest output; default from the model's generation config."
-    )
-    continuous: bool = Field(
-        True,
-        description="Continuous batching with the static decoder: new requests join a "
-        "running decode at its next check (every 8 steps) and each answer returns as "
-        "soon as its own formula ends, instead of batches that start and end together.",
+        le=9,
+        description="zlib level of the PNGs returned: 1 encodes several times faster than "
+        "PIL's default 6, for somewhat larger files.",
     )
 
 
@@ -94,32 +115,54 @@ class ImageSettings(ModelSettings):
         str(MODELS_DIR / "image" / "default"),
         description="diffusers text-to-image pipeline directory or hub id.",
     )
-    max_batch_size: int = Field(4, ge=1, le=256)
-    max_wait_ms: float = Field(20.0, ge=0)
-    max_queue: int = Field(64, ge=1)
-    max_rejoin_ms: float = Field(
-        250.0,
-        ge=0,
-        description="See ModelSettings. An image batch takes from a few hundred ms to "
-        "seconds, and its clients need up to a hundred ms or more to receive their PNGs "
-        "and ask again. On an H200, SD-1.5 size, 8 clients: 250 ms kept every batch full "
-        "(6.04 images/s, 91% of the pipeline alone), 100 ms did not (mean 6.9, 5.18/s).",
+    max_batch_size: int = Field(4, ge=1, le=256, description="Largest batch run at once.")
+    max_wait_ms: float = Field(
+        20.0, ge=0, description="How long the first request of a bucket waits for company."
+    )
+    max_queue: int = Field(
+        64, ge=1, description="Requests waiting for a batch before new ones get 429."
     )
     max_steps: int = Field(100, ge=1, description="Largest num_inference_steps accepted.")
     max_side: int = Field(1024, ge=8, description="Largest width or height accepted.")
     compile: Literal["off", "batch", "dynamic"] = Field(
         "off",
-        description="torch.compile the UNet, every graph compiled during warm-up before "
-        "readiness. batch: graphs for the image size with a symbolic batch size (three "
-        "compilations); dynamic: one graph with every size symbolic. See the README for "
-        "what each gains.",
+        description="torch.compile the UNet during warm-up (minutes at every start): batch "
+        "compiles a graph per image size with a symbolic batch size, dynamic one graph "
+        "with every size symbolic.",
     )
-    png_compress_level: int = Field(
-        1,
-        ge=0,
-        le=9,
-        description="zlib level of the PNGs returned: 1 encodes several times faster than "
-        "PIL's default 6, for somewhat larger files.",
+    advanced: ImageAdvanced = Field(default_factory=ImageAdvanced)
+
+    def factory(self, settings: Settings, devices: list[torch.device]) -> Callable[[], Model]:
+        from models.image.adapter import ImageGenerator
+
+        return functools.partial(
+            ImageGenerator,
+            self.model,
+            devices,
+            name=self.name,
+            dtype=settings.dtype,
+            max_steps=self.max_steps,
+            max_side=self.max_side,
+            compile=self.compile,
+            png_compress_level=self.advanced.png_compress_level,
+        )
+
+
+class AdvancedSettings(BaseModel):
+    keep_alive_s: int = Field(
+        75,
+        ge=1,
+        description="How long an idle kept-alive connection stays open; keep it longer "
+        "than the idle timeout of any proxy in front, so the server never closes a "
+        "connection just as a request is sent on it.",
+    )
+    preprocess_threads: int = Field(
+        0, ge=0, description="Threads per HTTP process that decode and encode; 0: one per core."
+    )
+    gc_freeze: bool = Field(
+        True,
+        description="Once ready, put the objects alive in each process out of the garbage "
+        "collector's reach (gc.freeze), so its collections during requests are short.",
     )
 
 
@@ -139,65 +182,37 @@ class Settings(BaseSettings):
     max_image_pixels: int = Field(
         16_000_000, ge=1, description="Largest decoded image (width x height)."
     )
-    log_format: Literal["json", "text"] = Field("text", description="json: one object a line.")
-    log_level: str = Field("INFO")
-    cors_origins: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Origins allowed to call the API from a browser."
-    )
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="When set, requests need Authorization: Bearer <key>."
     )
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Origins allowed to call the API from a browser."
+    )
+    log_format: Literal["json", "text"] = Field("text", description="json: one object a line.")
+    log_level: str = Field("INFO", description="Python logging level.")
     shutdown_grace_s: float = Field(
         0.0, ge=0, description="On SIGTERM, report not-ready this long before draining."
     )
     drain_timeout_s: float = Field(30.0, ge=0, description="Longest wait for queued work on exit.")
-    keep_alive_s: int = Field(
-        75,
-        ge=1,
-        description="How long an idle kept-alive connection stays open. Longer than the "
-        "idle timeout of any proxy or load balancer in front (60 s for most), so that the "
-        "server never closes a connection just as a request is sent on it.",
-    )
-    preprocess_threads: int = Field(
-        0, ge=0, description="Threads decoding images; 0 means one per CPU core."
-    )
-    preprocess_processes: int | None = Field(
-        None,
-        ge=0,
-        description="Worker processes decoding formula images, away from the serving "
-        "process's interpreter lock; 0 decodes on the threads above. Unset: when formulas "
-        "run on a GPU with a single HTTP process (below), min(4, cores / 4) beside worker "
-        "processes, min(8, cores / 2) without them; else 0.",
-    )
-    worker_processes: bool | None = Field(
-        None,
-        description="Run each model's batches on each device in a worker process of its "
-        "own (its own interpreter lock), not on a thread of the serving process. Unset: "
-        "true when a model runs on a GPU, else false.",
-    )
     http_processes: int | None = Field(
         None,
         ge=1,
         le=64,
-        description="Processes answering HTTP on the port, each with its own interpreter "
-        "lock: `texel serve` starts the others, which parse, decode and encode there and "
-        "hand the decoded inputs to this process's batchers. Unset: min(4, cores / 4) when "
-        "a model runs on a GPU, else 1.",
-    )
-    switch_interval_ms: float | None = Field(
-        None,
-        gt=0,
-        description="Python's thread switch interval in the serving process. Unset: 0.5 "
-        "when a model runs on a GPU (its worker reacquires the interpreter lock after "
-        "every GPU synchronization), else Python's default (5).",
-    )
-    gc_freeze: bool = Field(
-        True,
-        description="Once ready, put the objects alive in each HTTP process out of the "
-        "garbage collector's reach (gc.freeze), so its collections during requests are short.",
+        description="Identical processes answering HTTP on the port; unset: 1 on a CPU, "
+        "min(4, cores / 4) with GPUs.",
     )
     formula: FormulaSettings = Field(default_factory=FormulaSettings)
     image: ImageSettings = Field(default_factory=ImageSettings)
+    advanced: AdvancedSettings = Field(default_factory=AdvancedSettings)
+
+    def models(self) -> dict[str, ModelSettings]:
+        """The enabled models' settings, by key (the field's name)."""
+        entries = {name: getattr(self, name) for name in type(self).model_fields}
+        return {
+            key: entry
+            for key, entry in entries.items()
+            if isinstance(entry, ModelSettings) and entry.enabled
+        }
 
     @field_validator("cors_origins", "api_keys", mode="before")
     @classmethod
@@ -206,8 +221,6 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             value = value.strip()
             if value.startswith("["):
-                import json
-
                 return json.loads(value)
             return [part.strip() for part in value.split(",") if part.strip()]
         return value

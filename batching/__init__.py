@@ -1,8 +1,7 @@
 """Texel's model-agnostic dynamic batcher.
 
 It knows nothing of HTTP or of any model: callers submit payloads with a bucket
-key, workers run lists of payloads, on a thread or, through `ProcessRunner`, in a
-process of their own. See `Batcher` for the request path and
+key, workers run lists of payloads on a thread each. See `Batcher` for the request path and
 `BucketQueue` for the policy.
 """
 
@@ -23,7 +22,6 @@ from batching.errors import (
     OutOfMemory,
     QueueFull,
 )
-from batching.process_runner import ProcessRunner, exit_with_parent
 from batching.queue import BatchPlan, BatchPolicy, BucketQueue, DrainRate, Pending
 
 __all__ = [
@@ -43,8 +41,6 @@ __all__ = [
     "Draining",
     "OutOfMemory",
     "Pending",
-    "ProcessRunner",
     "QueueFull",
     "Worker",
-    "exit_with_parent",
 ]

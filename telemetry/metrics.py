@@ -1,26 +1,27 @@
 """Every Prometheus metric Texel exports, with its buckets, in one place.
 
-Names follow Prometheus conventions (base units, `_seconds`, `_total`). The
-metrics live in Texel's own registry so `/metrics` shows exactly these plus the
-process collector.
+Names follow Prometheus conventions (base units, `_seconds`, `_total`). In one process
+the metrics live in Texel's own registry, so `/metrics` shows exactly these plus the
+process collector (and exemplars, with OpenMetrics). With several processes (HTTP
+processes, engine processes) the launcher sets `PROMETHEUS_MULTIPROC_DIR` and every
+process records into it (prometheus_client's multiprocess mode): `/metrics` in any
+HTTP process then shows the sum over all of them. Exemplars need one process:
+prometheus_client keeps none in multiprocess mode.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import os
+from collections.abc import Iterator
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    Metric,
-    ProcessCollector,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric, ProcessCollector
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.multiprocess import MultiProcessCollector
 
+MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 REGISTRY = CollectorRegistry(auto_describe=True)
-ProcessCollector(registry=REGISTRY)
+if not MULTIPROCESS:
+    ProcessCollector(registry=REGISTRY)
 
 # Per-stage and per-request latencies: from sub-millisecond parsing on a GPU box
 # to multi-second image generation on a CPU.
@@ -69,19 +70,14 @@ QUEUE_DEPTH = Gauge(
     "Requests waiting for a batch.",
     ["model"],
     registry=REGISTRY,
-)
-CLIENTS_RETURNING = Gauge(
-    "texel_clients_returning_ratio",
-    "Share of a finished batch's requests followed by another within the rejoin window, "
-    "averaged over recent batches; below 0.5 no batch waits for returning clients.",
-    ["model"],
-    registry=REGISTRY,
+    multiprocess_mode="livesum",
 )
 INFLIGHT = Gauge(
     "texel_inflight_requests",
     "Requests being handled right now, by route.",
     ["route"],
     registry=REGISTRY,
+    multiprocess_mode="livesum",
 )
 PADDING_EFFICIENCY = Histogram(
     "texel_padding_efficiency",
@@ -141,103 +137,65 @@ GC_PAUSE = Histogram(
 )
 GC_FROZEN = Gauge(
     "texel_gc_frozen_objects",
-    "Objects the serving process put out of the garbage collector's reach once ready "
-    "(TEXEL_GC_FREEZE; 0 when off).",
+    "Objects each process put out of the garbage collector's reach once ready "
+    "(TEXEL_ADVANCED__GC_FREEZE; 0 when off), summed over processes.",
     registry=REGISTRY,
+    multiprocess_mode="livesum",
 )
 MODEL_READY = Gauge(
     "texel_model_ready",
-    "1 once a model is loaded and warmed up.",
+    "1 once a model is loaded and warmed up (in at least one engine).",
     ["model"],
     registry=REGISTRY,
+    multiprocess_mode="livemax",
 )
 HTTP_PROCESSES = Gauge(
     "texel_http_processes",
-    "Processes answering HTTP on Texel's port, the serving process included "
-    "(TEXEL_HTTP_PROCESSES).",
+    "Processes answering HTTP on Texel's port (TEXEL_HTTP_PROCESSES).",
     registry=REGISTRY,
+    multiprocess_mode="livesum",
 )
-FORWARDED = Counter(
-    "texel_forwarded_requests",
-    "Inference requests handed to the serving process's batchers by each extra HTTP "
-    "process (numbered from 1).",
-    ["process"],
+TORCH_ALLOCATED = Gauge(
+    "texel_torch_allocated_bytes",
+    "Bytes held by tensors (torch allocator), by device.",
+    ["device"],
     registry=REGISTRY,
+    multiprocess_mode="livesum",
 )
-
-# Recorded by whichever HTTP process handled the request. The serving process's
-# /metrics adds up every HTTP process's samples of these (see `exposition`).
-PER_HTTP_PROCESS = (
-    STAGE_DURATION,
-    REQUEST_DURATION,
-    QUEUE_WAIT,
-    INFLIGHT,
-    REJECTED,
-    OUTPUT_TOKENS,
-    TIME_PER_OUTPUT_TOKEN,
-    DENOISING_STEP,
-    IMAGES_GENERATED,
-    EVENT_LOOP_LAG,
-    GC_PAUSE,
+TORCH_RESERVED = Gauge(
+    "texel_torch_reserved_bytes",
+    "Bytes reserved by the torch allocator, by device.",
+    ["device"],
+    registry=REGISTRY,
+    multiprocess_mode="livesum",
 )
 
 
-def _register_resources() -> None:
+def _register_resources(registry: CollectorRegistry) -> None:
     from telemetry.resources import ResourceCollector
 
-    REGISTRY.register(ResourceCollector())
+    registry.register(ResourceCollector())
 
 
-_register_resources()
+_register_resources(REGISTRY)
 
 
-def snapshot() -> list[Metric]:
-    """This process's samples of the metrics that every HTTP process records."""
-    return [family for metric in PER_HTTP_PROCESS for family in metric.collect()]
+def registry() -> CollectorRegistry:
+    """What /metrics shows: this process's registry, or every process's samples."""
+    if not MULTIPROCESS:
+        return REGISTRY
+    merged = CollectorRegistry()
+    MultiProcessCollector(merged)
+    _register_resources(merged)
+    return merged
 
 
-def exposition(accept_header: str | None, others: Iterable[list[Metric]] = ()) -> tuple[bytes, str]:
-    """Render the registry as Prometheus text, or OpenMetrics (with exemplars) if asked,
-    with the `snapshot()`s of the other HTTP processes added in."""
+def families() -> Iterator[Metric]:
+    """Every metric family /metrics would show."""
+    return registry().collect()
+
+
+def exposition(accept_header: str | None) -> tuple[bytes, str]:
+    """Render the metrics as Prometheus text, or OpenMetrics (with exemplars) if asked."""
     encoder, content_type = choose_encoder(accept_header or "")
-    others = list(others)
-    return encoder(_Summed(others) if others else REGISTRY), content_type
-
-
-class _Summed:
-    """The registry's families with the same families of other processes added up:
-    counts, sums and gauges add; a `_created` time is the earliest."""
-
-    def __init__(self, others: list[list[Metric]]) -> None:
-        self.others = others
-
-    def collect(self) -> Iterator[Metric]:
-        extra: dict[str, list[Metric]] = {}
-        for families in self.others:
-            for family in families:
-                extra.setdefault(family.name, []).append(family)
-        for family in REGISTRY.collect():
-            yield _sum(family, extra.pop(family.name, []))
-        for families in extra.values():
-            yield _sum(families[0], families[1:])
-
-
-def _sum(family: Metric, others: list[Metric]) -> Metric:
-    if not others:
-        return family
-    samples = {}
-    for source in (family, *others):
-        for sample in source.samples:
-            key = (sample.name, tuple(sorted(sample.labels.items())))
-            seen = samples.get(key)
-            if seen is None:
-                samples[key] = sample
-                continue
-            if sample.name.endswith("_created"):
-                value = min(seen.value, sample.value)
-            else:
-                value = seen.value + sample.value
-            samples[key] = seen._replace(value=value, exemplar=sample.exemplar or seen.exemplar)
-    summed = Metric(family.name, family.documentation, family.type, family.unit)
-    summed.samples = list(samples.values())
-    return summed
+    return encoder(registry()), content_type

@@ -6,14 +6,12 @@ dashboard never mistakes "no GPU" for "idle GPU".
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,7 +145,6 @@ class ResourceCollector(Collector):
         cpu.add_metric([], self.cpu.utilization())
         yield cpu
         yield from self._nvml()
-        yield from _torch_allocator()
 
     def _nvml(self):
         readings = self.nvml.read()
@@ -180,52 +177,13 @@ class ResourceCollector(Collector):
         yield from families.values()
 
 
-AllocatorSource = Callable[[], dict[str, tuple[int, int]]]
-_allocator_sources: list[AllocatorSource] = []
+def record_allocator(device) -> None:
+    """Set the torch-allocator gauges of a CUDA `device` from this process's allocator
+    (an engine's, after its batches); nothing for other devices."""
+    from telemetry import metrics
 
-
-def add_allocator_source(source: AllocatorSource) -> None:
-    """Readings of torch allocators in other processes, {device: (allocated, reserved)}:
-    with worker processes the model's GPU memory is theirs, not the serving process's."""
-    _allocator_sources.append(source)
-
-
-def remove_allocator_source(source: AllocatorSource) -> None:
-    with contextlib.suppress(ValueError):
-        _allocator_sources.remove(source)
-
-
-def allocator_bytes(device) -> dict[str, tuple[int, int]]:
-    """{device: (allocated, reserved)} of this process's torch allocator on a CUDA
-    `device` (also what a worker process reports after each batch); else empty."""
-    torch = sys.modules.get("torch")  # not imported: this process holds no tensors
-    if torch is None or device.type != "cuda" or not torch.cuda.is_initialized():
-        return {}
-    return {str(device): (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))}
-
-
-def _torch_allocator():
     torch = sys.modules.get("torch")
-    readings = [source() for source in list(_allocator_sources)]
-    if torch is not None and torch.cuda.is_available():
-        readings += [
-            allocator_bytes(torch.device("cuda", i)) for i in range(torch.cuda.device_count())
-        ]
-    totals: dict[str, tuple[int, int]] = {}
-    for reading in readings:
-        for device, (allocated, reserved) in reading.items():
-            held, kept = totals.get(device, (0, 0))
-            totals[device] = (held + allocated, kept + reserved)
-    if not totals:
+    if torch is None or device.type != "cuda" or not torch.cuda.is_initialized():
         return
-    allocated = GaugeMetricFamily(
-        "texel_torch_allocated_bytes", "Bytes held by tensors (torch allocator).", labels=["device"]
-    )
-    reserved = GaugeMetricFamily(
-        "texel_torch_reserved_bytes", "Bytes reserved by the torch allocator.", labels=["device"]
-    )
-    for device, (held, kept) in sorted(totals.items()):
-        allocated.add_metric([device], held)
-        reserved.add_metric([device], kept)
-    yield allocated
-    yield reserved
+    metrics.TORCH_ALLOCATED.labels(str(device)).set(torch.cuda.memory_allocated(device))
+    metrics.TORCH_RESERVED.labels(str(device)).set(torch.cuda.memory_reserved(device))

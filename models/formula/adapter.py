@@ -29,12 +29,8 @@ from transformers.utils import cached_file
 from transformers.utils import logging as transformers_logging
 
 from batching.errors import Cancelled
-from models.devices import (
-    model_name,
-    out_of_memory_as_batching_error,
-    resolve_dtype,
-    start_worker,
-)
+from models.base import DeviceRunner, Model, Stage
+from models.devices import model_name, out_of_memory_as_batching_error, resolve_dtype
 from models.formula.fast_decode import StaticGreedyDecoder
 from models.formula.preprocess import (
     FormulaImageSpec,
@@ -44,6 +40,7 @@ from models.formula.preprocess import (
     normalize_pixels,
     pad_strips,
 )
+from telemetry import metrics
 
 # Encoders whose position information copes with any input width.
 VARIABLE_WIDTH_ENCODERS = frozenset({"swin", "donut-swin", "swinv2"})
@@ -76,6 +73,15 @@ class FormulaTokens:
     decode_s: float  # the batch's decode time divided by its longest output
 
 
+@dataclass(frozen=True)
+class Recognized:
+    """A recognized formula: spaced LaTeX, its token count and its compact form."""
+
+    latex: str
+    tokens: int
+    compact: str = ""
+
+
 class _StopWhen(StoppingCriteria):
     """Ends `generate()` early once every request in the batch has gone away."""
 
@@ -87,10 +93,12 @@ class _StopWhen(StoppingCriteria):
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
-class FormulaRecognizer:
+class FormulaRecognizer(Model):
     """Adapter for printed-formula recognition with a VisionEncoderDecoder model."""
 
-    operation = "generate_content"
+    key = "formula"
+    payload_type = FormulaInput
+    output_type = FormulaTokens
     # Whether a stream queues the next run before harvesting the last (None: on CUDA,
     # where the device runs asynchronously; on a CPU it only delays the harvest).
     stream_ahead: bool | None = None
@@ -107,11 +115,9 @@ class FormulaRecognizer:
         max_new_tokens: int | None = None,
         max_pixels: int = 16_000_000,
         decoder: str = "auto",
-        merge_buckets: bool = True,
         continuous: bool = True,
     ) -> None:
-        self.source = source
-        self.name = model_name(source, name)
+        super().__init__(source, model_name(source, name))
         self.devices = devices
         self.dtype_setting = dtype
         self.bucket_step = bucket_step or default_bucket_step(devices)
@@ -119,35 +125,21 @@ class FormulaRecognizer:
         self.max_new_tokens = max_new_tokens
         self.max_pixels = max_pixels
         self.decoder_setting = decoder
-        self.merge_setting = merge_buckets
         self.continuous = continuous
         self.spec: FormulaImageSpec | None = None
         self.tokenizer = None
         self._models: dict[str, VisionEncoderDecoderModel] = {}
         self._decoders: dict[str, StaticGreedyDecoder] = {}
-        # Devices whose batches run in a worker process (`worker_factory`), and
-        # whether each uses the static decoder there.
-        self._remote: dict[str, bool] = {}
         self._tokenizer_lock = threading.Lock()
         # Per CUDA device: pinned upload buffers, used in turn.
         self._uploads: dict[str, _PinnedBuffers] = {}
 
     # -- lifecycle -----------------------------------------------------------
 
-    def load(self, weights: bool = True) -> None:
-        """Load the tokenizer once and one model replica per device.
-
-        `weights=False` loads only what the serving process needs around the model
-        (tokenizer, image spec, token limit) when worker processes run the batches.
-        """
+    def open(self) -> None:
+        """The tokenizer, the image spec and the token limit: what requests need."""
         transformers_logging.disable_progress_bar()  # a server's log is not a terminal
         self.tokenizer = AutoTokenizer.from_pretrained(self.source)
-        for device in self.devices if weights else []:
-            # bf16 on CPUs with bf16 matrix instructions too: the same dev scores as fp32,
-            # the encoder twice as fast (models/formula/NOTES.md).
-            dtype = resolve_dtype(self.dtype_setting, device, torch.bfloat16, torch.bfloat16)
-            model = VisionEncoderDecoderModel.from_pretrained(self.source, dtype=dtype)
-            self._models[str(device)] = model.to(device).eval()
         config = AutoConfig.from_pretrained(self.source)
         processor_file = cached_file(self.source, "preprocessor_config.json")
         self.spec = FormulaImageSpec.from_pretrained(
@@ -161,6 +153,14 @@ class FormulaRecognizer:
             except OSError:  # no generation_config.json
                 generation = None
             self.max_new_tokens = int(getattr(generation, "max_new_tokens", None) or 256)
+
+    def load(self, device: torch.device) -> None:
+        """One model replica on `device`."""
+        # bf16 on CPUs with bf16 matrix instructions too: the same dev scores as fp32,
+        # the encoder twice as fast (training/formula/NOTES.md).
+        dtype = resolve_dtype(self.dtype_setting, device, torch.bfloat16, torch.bfloat16)
+        model = VisionEncoderDecoderModel.from_pretrained(self.source, dtype=dtype)
+        self._models[str(device)] = model.to(device).eval()
 
     def warmup(self, device: torch.device, max_batch_size: int) -> None:
         """Run every bucket width once and the largest batch once on `device`.
@@ -185,12 +185,24 @@ class FormulaRecognizer:
 
     @functools.cached_property
     def preprocessor(self) -> FormulaPreprocessor:
-        """The picklable preprocessing step, also for a worker process (once loaded)."""
         return FormulaPreprocessor(self._spec, self.bucket_step, self.max_pixels)
 
     def preprocess(self, data: bytes) -> FormulaInput:
-        """Decode and normalize one upload (CPU, off the event loop)."""
+        """Decode and normalize one upload."""
         return self.preprocessor(data)
+
+    def request_stages(self) -> list[Stage]:
+        return [("preprocess", self.preprocess)]
+
+    def response_stages(self) -> list[Stage]:
+        return [("tokenize", self.detokenize), ("postprocess", self.finish)]
+
+    def span_attributes(self, stage: str, value: Any) -> dict[str, Any]:
+        if stage == "preprocess":
+            return {"texel.input.width": value.width, "texel.bucket": value.bucket}
+        if stage == "tokenize":
+            return {"gen_ai.usage.output_tokens": value.tokens}
+        return {}
 
     def bucket(self, item: FormulaInput) -> int:
         return item.bucket
@@ -203,10 +215,9 @@ class FormulaRecognizer:
         padded = sum(item.bucket for item in batch)
         return sum(min(item.width, item.bucket) for item in batch) / padded if padded else None
 
-    def runner(self, device: torch.device) -> _DeviceRunner:
-        """What the batcher calls on `device`'s worker thread: batches, and with the static
-        decoder and `continuous`, a stream (`batching.stream`) whose rows join and leave
-        a running decode."""
+    def runner(self, device: torch.device) -> DeviceRunner:
+        """Batches on `device`, and with the static decoder and `continuous` a stream
+        (`batching.stream`) whose rows join and leave a running decode."""
         key = str(device)
         decoder = self._decoders.get(key)
 
@@ -216,51 +227,29 @@ class FormulaRecognizer:
         stream = None
         if decoder is not None and self.continuous:
             stream = functools.partial(self._stream, decoder)
-        return _DeviceRunner(run, stream)
-
-    def worker_factory(self, device: torch.device, max_batch_size: int):
-        """What a worker process runs to serve `device`: a picklable call that loads
-        this model there, warms it up and returns `(runner, info)` (`ProcessRunner`)."""
-        options = {
-            "source": self.source,
-            "name": self.name,
-            "dtype": self.dtype_setting,
-            "bucket_step": self.bucket_step,
-            "num_beams": self.num_beams,
-            "max_new_tokens": self.max_new_tokens,
-            "max_pixels": self.max_pixels,
-            "decoder": self.decoder_setting,
-            "merge_buckets": self.merge_setting,
-            "continuous": self.continuous,
-        }
-        return functools.partial(
-            start_worker, FormulaRecognizer, options, str(device), max_batch_size
-        )
-
-    def worker_info(self, device: torch.device) -> dict:
-        """In the worker process: what `attach_worker` needs of it."""
-        return {"static_decoder": self.uses_static_decoder(device)}
-
-    def attach_worker(self, device: torch.device, info: dict) -> None:
-        """Record that `device`'s batches run in a worker process, as its `info` says."""
-        self._remote[str(device)] = bool(info.get("static_decoder"))
+        return DeviceRunner(run, stream)
 
     @property
     def merge_buckets(self) -> bool:
         """Merge width buckets only where every device decodes rows independently of
         their padding (the static decoder); `generate()` would see the wider padding."""
-        static = [self.uses_static_decoder(device) for device in self.devices]
-        return self.merge_setting and all(static)
+        return bool(self._models) and all(key in self._decoders for key in self._models)
 
     def uses_static_decoder(self, device: torch.device) -> bool:
         """Whether batches on `device` run Texel's static decoder (else `generate()`)."""
-        return str(device) in self._decoders or self._remote.get(str(device), False)
+        return str(device) in self._decoders
 
-    def detokenize(self, tokens: FormulaTokens) -> str:
+    def detokenize(self, tokens: FormulaTokens) -> Recognized:
         """Token ids to normalized, space-separated LaTeX (the `tokenize` stage)."""
         with self._tokenizer_lock:  # fast tokenizers are not safe to share across threads
             text = self.tokenizer.decode(tokens.token_ids, skip_special_tokens=True)
-        return " ".join(text.split())
+        metrics.OUTPUT_TOKENS.labels(self.name).observe(len(tokens.token_ids))
+        metrics.TIME_PER_OUTPUT_TOKEN.labels(self.name).observe(tokens.decode_s)
+        return Recognized(" ".join(text.split()), len(tokens.token_ids))
+
+    def finish(self, recognized: Recognized) -> Recognized:
+        """The compact form beside the spaced one (the `postprocess` stage)."""
+        return Recognized(recognized.latex, recognized.tokens, compact_latex(recognized.latex))
 
     # -- internals -----------------------------------------------------------
 
@@ -497,17 +486,6 @@ class _PinnedBuffers:
         self._copied[self._turn] = copied
         self._turn = (self._turn + 1) % len(self._buffers)
         return copied
-
-
-@dataclass(frozen=True)
-class _DeviceRunner:
-    """A device's batch runner, and its stream runner when it batches continuously."""
-
-    run: Any
-    stream: Any = None
-
-    def __call__(self, batch, should_stop):
-        return self.run(batch, should_stop)
 
 
 def compact_latex(latex: str) -> str:

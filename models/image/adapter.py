@@ -12,9 +12,9 @@ pays for compilation. The README gives what each costs and gains on an H200.
 
 from __future__ import annotations
 
-import copy
-import functools
+import dataclasses
 import inspect
+import io
 import json
 import logging
 import secrets
@@ -23,21 +23,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.fx.experimental._config as fx_config
 from diffusers import DiffusionPipeline
 from diffusers.utils import logging as diffusers_logging
 from PIL import Image
+from transformers import AutoTokenizer
 from transformers.utils import cached_file
 from transformers.utils import logging as transformers_logging
 
-from models.devices import (
-    model_name,
-    out_of_memory_as_batching_error,
-    resolve_dtype,
-    start_worker,
-)
+from models.base import DeviceRunner, Model, Stage
+from models.devices import model_name, out_of_memory_as_batching_error, resolve_dtype
 from models.errors import InvalidParameter
+from telemetry import metrics
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +85,19 @@ class ImageJob:
 
 @dataclass
 class GeneratedImages:
-    images: list[Image.Image]
+    """A request's images as uint8 arrays [height, width, 3], in the order of its seeds."""
+
+    images: list[np.ndarray]
     seeds: tuple[int, ...]
     step_s: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EncodedImages:
+    """A request's images as PNG files, and their seeds."""
+
+    pngs: list[bytes]
+    seeds: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -99,11 +108,12 @@ class ImageDefaults:
     guidance: float
 
 
-class ImageGenerator:
+class ImageGenerator(Model):
     """Adapter for text-to-image generation with a diffusers pipeline."""
 
-    operation = "generate_content"
-    merge_buckets = False  # a batch needs one size and one step count
+    key = "image"
+    payload_type = ImageJob
+    output_type = GeneratedImages
 
     def __init__(
         self,
@@ -115,10 +125,11 @@ class ImageGenerator:
         max_steps: int = 100,
         max_side: int = 1024,
         compile: str = "off",
+        png_compress_level: int = 1,
     ) -> None:
-        self.source = source
-        self.name = model_name(source, name)
+        super().__init__(source, model_name(source, name))
         self.devices = devices
+        self.png_compress_level = png_compress_level
         self.dtype_setting = dtype
         self.max_steps = max_steps
         self.max_side = max_side
@@ -133,54 +144,36 @@ class ImageGenerator:
 
     # -- lifecycle -----------------------------------------------------------
 
-    def load(self, weights: bool = True) -> None:
-        """One pipeline per device. `weights=False` loads nothing: with worker processes
-        the pipelines live there, and `attach_worker` brings back what requests need."""
+    def open(self) -> None:
+        """The prompt tokenizer (a copy of the pipeline's own, never shared with it: a fast
+        tokenizer's padding settings are mutable state)."""
         diffusers_logging.disable_progress_bar()  # a server's log is not a terminal
         transformers_logging.disable_progress_bar()
-        if not weights:
-            return
-        for device in self.devices:
-            dtype = resolve_dtype(self.dtype_setting, device, torch.float16)
-            pipe = DiffusionPipeline.from_pretrained(self.source, torch_dtype=dtype)
-            pipe.set_progress_bar_config(disable=True)
-            pipe.to(device)
-            if self.compile_setting != "off":
-                pipe.unet = compile_unet(pipe.unet, self.compile_setting)
-            self._pipes[str(device)] = pipe
-        first = next(iter(self._pipes.values()))
-        self.defaults = self._read_defaults(first)
-        # A fast tokenizer's padding/truncation settings are shared mutable state: the
-        # request path gets its own copy, never the one the pipeline uses in its thread.
-        tokenizer = getattr(first, "tokenizer", None)
-        self._prompt_tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
+        try:
+            self._prompt_tokenizer = AutoTokenizer.from_pretrained(
+                self.source, subfolder="tokenizer"
+            )
+        except (OSError, ValueError):  # a pipeline without a tokenizer of its own
+            self._prompt_tokenizer = None
 
-    def worker_factory(self, device: torch.device, max_batch_size: int):
-        """What a worker process runs to serve `device`: a picklable call that loads the
-        pipeline there, warms it up and returns `(runner, info)` (`ProcessRunner`)."""
-        options = {
-            "source": self.source,
-            "name": self.name,
-            "dtype": self.dtype_setting,
-            "max_steps": self.max_steps,
-            "max_side": self.max_side,
-            "compile": self.compile_setting,
-        }
-        return functools.partial(start_worker, ImageGenerator, options, str(device), max_batch_size)
+    def load(self, device: torch.device) -> None:
+        """The pipeline on `device`."""
+        dtype = resolve_dtype(self.dtype_setting, device, torch.float16)
+        pipe = DiffusionPipeline.from_pretrained(self.source, torch_dtype=dtype)
+        pipe.set_progress_bar_config(disable=True)
+        pipe.to(device)
+        if self.compile_setting != "off":
+            pipe.unet = compile_unet(pipe.unet, self.compile_setting)
+        self._pipes[str(device)] = pipe
+        self.defaults = self._read_defaults(pipe)
 
-    def worker_info(self, device: torch.device) -> dict:
-        """In the worker process: what requests need, for `attach_worker`."""
-        return {
-            "defaults": self.defaults,
-            "size_multiple": self.size_multiple,
-            "tokenizer": self._prompt_tokenizer,
-        }
+    def describe(self) -> dict:
+        return {"defaults": dataclasses.asdict(self._defaults), "size_multiple": self.size_multiple}
 
-    def attach_worker(self, device: torch.device, info: dict) -> None:
-        """Take the defaults and the prompt tokenizer a worker process loaded."""
-        self.defaults = info["defaults"]
-        self.size_multiple = info["size_multiple"]
-        self._prompt_tokenizer = info["tokenizer"]
+    def attach(self, description: dict) -> None:
+        """Take the defaults the engine read from the loaded pipeline."""
+        self.defaults = ImageDefaults(**description["defaults"])
+        self.size_multiple = description["size_multiple"]
 
     def warmup(self, device: torch.device, max_batch_size: int) -> None:
         """A full batch at the default settings on `device`, on its worker thread. A
@@ -206,6 +199,36 @@ class ImageGenerator:
         )
 
     # -- per request ---------------------------------------------------------
+
+    def request_stages(self) -> list[Stage]:
+        return [("preprocess", self.preprocess), ("tokenize", self.tokenize)]
+
+    def response_stages(self) -> list[Stage]:
+        return [("postprocess", self.encode)]
+
+    def span_attributes(self, stage: str, value) -> dict:
+        if stage == "preprocess":
+            return {"texel.image.width": value.width, "texel.image.height": value.height,
+                    "texel.steps": value.steps}  # fmt: skip
+        if stage == "tokenize":
+            return {"gen_ai.usage.input_tokens": value.prompt_tokens}
+        if stage == "postprocess":
+            return {"texel.images": len(value.pngs)}
+        return {}
+
+    def encode(self, output: GeneratedImages) -> EncodedImages:
+        """Each image as a PNG (zlib level `png_compress_level`)."""
+        pngs = []
+        for pixels in output.images:
+            buffer = io.BytesIO()
+            Image.fromarray(pixels).save(
+                buffer, format="PNG", compress_level=self.png_compress_level
+            )
+            pngs.append(buffer.getvalue())
+        for step_s in output.step_s:
+            metrics.DENOISING_STEP.labels(self.name).observe(step_s)
+        metrics.IMAGES_GENERATED.labels(self.name).inc(len(pngs))
+        return EncodedImages(pngs, output.seeds)
 
     def preprocess(self, request: ImageRequest) -> ImageJob:
         """Fill defaults, validate against this model, count prompt tokens."""
@@ -246,7 +269,7 @@ class ImageGenerator:
             raise InvalidParameter(
                 f"the prompt is {len(ids)} tokens long; this model reads at most {limit}"
             )
-        return ImageJob(**{**job.__dict__, "prompt_tokens": len(ids)})
+        return dataclasses.replace(job, prompt_tokens=len(ids))
 
     def bucket(self, job: ImageJob) -> tuple[int, int, int, float]:
         """A pipeline call takes one size, step count and guidance scale."""
@@ -259,13 +282,13 @@ class ImageGenerator:
     def padding_efficiency(self, batch: list[ImageJob]) -> float | None:
         return 1.0  # one bucket means one shape: nothing is padded
 
-    def runner(self, device: torch.device):
+    def runner(self, device: torch.device) -> DeviceRunner:
         key = str(device)
 
         def run(batch: list[ImageJob], should_stop) -> list[GeneratedImages]:
             return self._generate(key, batch, should_stop)
 
-        return run
+        return DeviceRunner(run)
 
     # -- internals -----------------------------------------------------------
 
@@ -333,7 +356,7 @@ class ImageGenerator:
                 output_type="pil",
                 callback_on_step_end=on_step_end,
             )
-        images = list(result.images)
+        images = [np.asarray(image) for image in result.images]
         out, start = [], 0
         for job in batch:
             count = len(job.seeds)

@@ -1,0 +1,276 @@
+"""`texel serve`: the process plan, computed once, and the processes it starts.
+
+On a CPU with one HTTP process everything runs in one process: uvicorn, the routes and
+the engine (`LocalEngine`). Otherwise the launcher starts one engine process per device
+(`engine.process`) and N identical HTTP processes, each listening on a socket of its
+own bound to the same port with SO_REUSEPORT (the kernel spreads new connections over
+them), each connected to every engine. A request crosses two process boundaries: HTTP
+process to engine and back.
+
+The launcher holds no model and answers no request. It restarts an engine or HTTP
+process that dies (an engine's in-flight requests fail with it; HTTP processes
+reconnect), and on SIGTERM stops the HTTP processes first (each finishes its requests,
+the engines still serving) and the engines after. Metrics from every process meet in
+prometheus_client's multiprocess directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+from app.settings import Settings
+from engine import Engine, LocalEngine, ModelPlan, RemoteEngine
+from engine.process import exit_with_parent, run_engine
+from models.devices import resolve_devices
+from telemetry.resources import usable_cores
+
+log = logging.getLogger("texel")
+
+SUPERVISE_S = 0.5
+
+
+@dataclass(frozen=True)
+class ProcessPlan:
+    """Which processes serve: one engine per device, `http_processes` HTTP processes."""
+
+    devices: list[torch.device]
+    http_processes: int
+
+    @property
+    def single_process(self) -> bool:
+        """One HTTP process on a CPU: the engine runs inside it."""
+        return self.http_processes == 1 and all(d.type == "cpu" for d in self.devices)
+
+    @classmethod
+    def of(cls, settings: Settings, cores: int | None = None) -> ProcessPlan:
+        devices = resolve_devices(settings.device)
+        if any(device.type == "cpu" for device in devices):
+            devices = [torch.device("cpu")]  # one engine owns the CPU
+        http = settings.http_processes
+        if http is None:
+            on_gpu = any(device.type == "cuda" for device in devices)
+            http = max(1, min(4, (cores or usable_cores()) // 4)) if on_gpu else 1
+        return cls(devices, http)
+
+
+def model_plans(settings: Settings, devices: list[torch.device]) -> list[ModelPlan]:
+    """What every engine serves: each enabled model, built from its settings entry."""
+    return [
+        ModelPlan(
+            key=key,
+            build=entry.factory(settings, devices),
+            max_batch_size=entry.max_batch_size,
+            max_wait_s=entry.max_wait_ms / 1000,
+            max_queue=entry.max_queue,
+        )
+        for key, entry in settings.models().items()
+    ]
+
+
+def request_models(settings: Settings, devices: list[torch.device]) -> dict:
+    """The request sides of the enabled models, for an HTTP process (not yet opened)."""
+    return {plan.key: plan.build() for plan in model_plans(settings, devices)}
+
+
+def reuseport_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host:port` with SO_REUSEPORT, not yet listening: uvicorn
+    listens once the app has started, and from then on the kernel hands it its share
+    of new connections."""
+    if not hasattr(socket, "SO_REUSEPORT") or not sys.platform.startswith("linux"):
+        raise RuntimeError("TEXEL_HTTP_PROCESSES above 1 needs Linux (SO_REUSEPORT)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(host: str, port: int, settings: Settings | None = None) -> None:
+    from telemetry import setup_logging
+
+    settings = settings or Settings()
+    setup_logging(settings.log_format, settings.log_level)
+    plan = ProcessPlan.of(settings)
+    if plan.single_process:
+        _serve_single(settings, plan, host, port)
+    else:
+        Launcher(settings, plan, host, port).run()
+
+
+def _serve_single(settings: Settings, plan: ProcessPlan, host: str, port: int) -> None:
+    from app.main import build_app
+    from app.server import TexelServer, uvicorn_config
+
+    engine = LocalEngine(Engine(plan.devices[0], model_plans(settings, plan.devices)))
+    app = build_app(settings, request_models(settings, plan.devices), [engine])
+    TexelServer(uvicorn_config(app, settings, host=host, port=port), app.state.runtime).run()
+
+
+def run_http_process(
+    settings: Settings,
+    address: tuple[str, int],
+    engines: list[tuple[str, str]],
+    parent_pid: int,
+) -> None:
+    """The entry of an HTTP process: the app, its engines reached over their sockets."""
+    from app.main import build_app
+    from app.server import TexelServer, uvicorn_config
+    from telemetry import setup_logging
+
+    exit_with_parent(parent_pid)
+    setup_logging(settings.log_format, settings.log_level)
+    devices = [torch.device(name) for name, _ in engines]
+    clients = [RemoteEngine(path, name) for name, path in engines]
+    app = build_app(settings, request_models(settings, devices), clients)
+    server = TexelServer(uvicorn_config(app, settings), app.state.runtime)
+    server.run(sockets=[reuseport_socket(*address)])
+
+
+class _Child:
+    """One supervised child process, started again when it dies."""
+
+    def __init__(self, name: str, target, args: tuple) -> None:
+        self.name = name
+        self.target = target
+        self.args = args
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.started = 0.0
+        self.failures = 0
+        self.due: float | None = None  # a restart waiting out its backoff
+
+    def start(self) -> None:
+        # spawn: forking a process that may hold CUDA state is unsafe
+        context = multiprocessing.get_context("spawn")
+        self.process = context.Process(target=self.target, args=self.args, name=self.name)
+        self.process.start()
+        self.started = time.monotonic()
+        self.due = None
+
+    def check(self, now: float) -> None:
+        """Restart the process if it died, backing off when it dies at once."""
+        assert self.process is not None
+        if self.process.is_alive():
+            return
+        if self.due is None:
+            quick = now - self.started < 10
+            self.failures = self.failures + 1 if quick else 0
+            delay = min(30.0, 2.0**self.failures) if quick else 0.0
+            self.due = now + delay
+            log.error(
+                "%s (pid %s) exited with code %s; starting it again in %.0f s",
+                self.name,
+                self.process.pid,
+                self.process.exitcode,
+                delay,
+            )
+            _mark_dead(self.process.pid)
+        if now >= self.due:
+            self.start()
+
+
+class Launcher:
+    """Starts, supervises and stops the engine and HTTP processes of one server."""
+
+    def __init__(self, settings: Settings, plan: ProcessPlan, host: str, port: int) -> None:
+        self.settings = settings
+        self.plan = plan
+        self.host = host
+        self.port = port
+        self._stop = False
+
+    def run(self) -> None:
+        directory = tempfile.mkdtemp(prefix="texel-")  # mode 0700: the sockets live here
+        metrics_dir = os.path.join(directory, "metrics")
+        os.mkdir(metrics_dir)
+        # Inherited by every child; read by prometheus_client when it is imported there.
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        # Holds the port (bound, never listening, so it takes no connections) and says
+        # at once when it is taken.
+        holder = reuseport_socket(self.host, self.port)
+        address = holder.getsockname()[:2]
+        engines = [(str(d), os.path.join(directory, f"engine-{i}.sock"))
+                   for i, d in enumerate(self.plan.devices)]  # fmt: skip
+        plans = model_plans(self.settings, self.plan.devices)
+        s = self.settings
+        children = [
+            _Child(
+                f"texel-engine-{name}",
+                run_engine,
+                (name, plans, path, os.getpid(), s.log_format, s.log_level, s.drain_timeout_s),
+            )
+            for name, path in engines
+        ]
+        http = [
+            _Child(f"texel-http-{i}", run_http_process, (s, address, engines, os.getpid()))
+            for i in range(self.plan.http_processes)
+        ]
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+        log.info(
+            "serving on http://%s:%d: %d HTTP processes, engines on %s",
+            self.host,
+            address[1],
+            len(http),
+            ", ".join(name for name, _ in engines),
+        )
+        try:
+            for child in [*children, *http]:
+                child.start()
+            while not self._stop:
+                time.sleep(SUPERVISE_S)
+                now = time.monotonic()
+                for child in [*children, *http]:
+                    if not self._stop:
+                        child.check(now)
+            self._shutdown(http, children)
+        finally:
+            for child in [*http, *children]:
+                if child.process is not None and child.process.is_alive():
+                    child.process.kill()
+            holder.close()
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self._stop:  # a second signal: stop at once
+            raise SystemExit(1)
+        log.info("received %s: draining", signal.Signals(signum).name)
+        self._stop = True
+
+    def _shutdown(self, http: list[_Child], engines: list[_Child]) -> None:
+        """HTTP processes first (their requests finish on the running engines), then the
+        engines (which finish whatever is still queued)."""
+        limit = self.settings.shutdown_grace_s + self.settings.drain_timeout_s + 5
+        for group in (http, engines):
+            alive = [c.process for c in group if c.process is not None and c.process.is_alive()]
+            for process in alive:
+                process.terminate()
+            deadline = time.monotonic() + limit
+            for process in alive:
+                process.join(max(0.0, deadline - time.monotonic()))
+                if process.is_alive():
+                    log.warning("%s did not stop in time; killing it", process.name)
+                    process.kill()
+
+
+def _mark_dead(pid: int | None) -> None:
+    """Drop a dead process's live gauges from the multiprocess metrics."""
+    from prometheus_client import multiprocess
+
+    if pid is not None and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        multiprocess.mark_process_dead(pid)

@@ -1,0 +1,196 @@
+"""`Engine`: the one owner of a device, with every model placed on it and their batchers.
+
+An engine loads each model on its device, warms it up and batches its requests: one
+`Batcher` per model, whose batches run on the device's compute thread. On a CPU all
+models share one compute thread (torch's OpenMP teams would otherwise spin against
+each other on the same cores); on a GPU each model has its own, so a long image batch
+does not hold up formulas queued for the same card.
+
+On a GPU the engine runs in a process of its own (`engine.process`), and HTTP processes
+reach it through `RemoteEngine`; on a CPU it can run inside the HTTP process
+(`LocalEngine`). The code is the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from batching import Batcher, BatchPolicy, BatchResult, ComputeThread, Draining, Worker
+from engine.errors import NotReady, UnknownModel
+from models.base import Model
+from models.devices import make_current
+from telemetry import BatchTelemetry, metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """One model to serve on an engine: how to build it and how to batch it.
+
+    `build` is picklable (it travels to an engine process) and makes the `Model`.
+    """
+
+    key: str
+    build: Callable[[], Model]
+    max_batch_size: int
+    max_wait_s: float
+    max_queue: int
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """A model's state in an engine: loading, ready or failed (with why), and what the
+    HTTP side needs of the loaded model (`Model.describe`)."""
+
+    state: str
+    error: str | None = None
+    description: dict[str, Any] = field(default_factory=dict)
+
+
+class _Served:
+    def __init__(self, plan: ModelPlan) -> None:
+        self.plan = plan
+        self.model: Model | None = None
+        self.batcher: Batcher | None = None
+        self.state = ModelState("loading")
+
+
+class Engine:
+    """Serves the `plans` on `device`. `start()` loads in the background; requests
+    for a model not yet ready are refused with `NotReady`."""
+
+    def __init__(self, device: torch.device, plans: list[ModelPlan]) -> None:
+        self.device = device
+        self.name = str(device)
+        self._served = {plan.key: _Served(plan) for plan in plans}
+        self._threads: dict[str, ThreadPoolExecutor] = {}
+        self._loader: asyncio.Task | None = None
+        self.draining = False
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def start(self) -> asyncio.Task:
+        """Load and warm up every model, one after the other, in the background."""
+        self._loader = asyncio.get_running_loop().create_task(self._load_all())
+        return self._loader
+
+    async def _load_all(self) -> None:
+        for served in self._served.values():
+            await self._load(served)
+
+    async def _load(self, served: _Served) -> None:
+        plan = served.plan
+        started = time.perf_counter()
+        thread = self._compute_thread(plan.key)
+        loop = asyncio.get_running_loop()
+        try:
+            model = plan.build()
+            # On the compute thread: on a CPU, torch's OpenMP team belongs to the first
+            # thread that computes, and loading computes (fp16 weights become fp32).
+            await loop.run_in_executor(thread, model.open)
+            await loop.run_in_executor(thread, model.load, self.device)
+            await loop.run_in_executor(thread, model.warmup, self.device, plan.max_batch_size)
+            runner = model.runner(self.device)
+            description = model.describe()
+        except Exception as exc:
+            served.state = ModelState("failed", f"{type(exc).__name__}: {exc}")
+            log.exception("could not load the %s model on %s", plan.key, self.name)
+            return
+        policy = BatchPolicy(
+            max_batch_size=plan.max_batch_size,
+            max_wait_s=plan.max_wait_s,
+            max_queue=plan.max_queue,
+            merge_buckets=model.merge_buckets,
+        )
+        worker = Worker(self.name, runner.run, thread, stream=runner.stream)
+        observer = BatchTelemetry(
+            model.name, model.operation, padding_efficiency=model.padding_efficiency
+        )
+        served.model = model
+        served.batcher = Batcher(plan.key, [worker], policy, observer=observer)
+        served.batcher.start()
+        served.state = ModelState("ready", description=description)
+        metrics.MODEL_READY.labels(model.name).set(1)
+        log.info(
+            "%s model %s ready on %s in %.1f s",
+            plan.key,
+            model.name,
+            self.name,
+            time.perf_counter() - started,
+        )
+
+    def _compute_thread(self, key: str) -> ThreadPoolExecutor:
+        thread_key = self.name if self.device.type == "cpu" else f"{key}-{self.name}"
+        if thread_key not in self._threads:
+            self._threads[thread_key] = ComputeThread(
+                thread_name_prefix=f"texel-compute-{thread_key}",
+                initializer=make_current,
+                initargs=(self.device,),
+            )
+        return self._threads[thread_key]
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests and finish every queued and running one."""
+        self.draining = True
+        batchers = [s.batcher for s in self._served.values() if s.batcher is not None]
+        done = await asyncio.gather(*(b.drain(timeout_s) for b in batchers))
+        return all(done)
+
+    async def close(self) -> None:
+        self.draining = True
+        if self._loader is not None and not self._loader.done():
+            self._loader.cancel()
+        for served in self._served.values():
+            if served.batcher is not None:
+                await served.batcher.close()
+        for thread in self._threads.values():
+            thread.shutdown(wait=False, cancel_futures=True)
+
+    # -- requests --------------------------------------------------------------
+
+    def states(self) -> dict[str, ModelState]:
+        return {key: served.state for key, served in self._served.items()}
+
+    def model(self, key: str) -> Model:
+        """The loaded model `key` (its payload and output types, for the protocol)."""
+        served = self._get(key)
+        if served.model is None:
+            raise NotReady(f"the {key} model is {served.state.state}")
+        return served.model
+
+    def queued_cost(self, key: str) -> float:
+        batcher = self._get(key).batcher
+        return 0.0 if batcher is None else batcher.queued_cost
+
+    async def submit(
+        self, key: str, payload: Any, timeout_s: float, context: Any = None
+    ) -> BatchResult:
+        """Batch one preprocessed payload of model `key`, due within `timeout_s`."""
+        served = self._get(key)
+        if self.draining:
+            raise Draining("the server is shutting down and accepts no new requests")
+        if served.batcher is None or served.model is None:
+            raise NotReady(f"the {key} model is {served.state.state}")
+        model = served.model
+        return await served.batcher.submit(
+            payload,
+            bucket=model.bucket(payload),
+            cost=model.cost(payload),
+            timeout_s=timeout_s,
+            context=context,
+        )
+
+    def _get(self, key: str) -> _Served:
+        served = self._served.get(key)
+        if served is None:
+            raise UnknownModel(f"the {key} model is not served on {self.name}")
+        return served

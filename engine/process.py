@@ -1,0 +1,161 @@
+"""An engine process: one `Engine` on one device, served on a Unix socket.
+
+The launcher starts one per GPU (spawned, never forked: it may hold CUDA state). Every
+HTTP process connects to it; each connection carries that process's requests
+(`engine.protocol`). On SIGTERM the engine refuses new requests, finishes the queued
+ones and exits; when its launcher dies it exits too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import msgspec
+import torch
+
+from engine import protocol
+from engine.engine import Engine, ModelPlan
+
+log = logging.getLogger(__name__)
+
+
+def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """In a child process: end it once the process that started it is gone (killed
+    outright, its children would otherwise live on, orphaned)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="texel-parent-watch", daemon=True).start()
+
+
+class EngineServer:
+    """Serves one engine's connections."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._messages = protocol.decoder(protocol.ToEngine)
+        self._payloads: dict[str, msgspec.msgpack.Decoder] = {}
+
+    async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        tasks: dict[int, asyncio.Task] = {}
+        pending: list[bytes] = []
+
+        def send(message: Any) -> None:
+            pending.append(protocol.frame(message))
+            if len(pending) == 1:
+                asyncio.get_running_loop().call_soon(flush)
+
+        def flush() -> None:
+            if pending and not writer.is_closing():
+                writer.writelines(pending)
+            pending.clear()
+
+        try:
+            while True:
+                message = self._messages.decode(await protocol.read_frame(reader))
+                if isinstance(message, protocol.Submit):
+                    task = asyncio.get_running_loop().create_task(self._submit(message, send))
+                    tasks[message.id] = task
+                    task.add_done_callback(lambda _, i=message.id: tasks.pop(i, None))
+                elif isinstance(message, protocol.Cancel):
+                    if (task := tasks.pop(message.id, None)) is not None:
+                        task.cancel()
+                else:
+                    send(self._states(message.id))
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        except Exception:
+            log.exception("an HTTP process sent a bad frame; closing its connection")
+        finally:
+            # The HTTP process is gone: nobody waits for these any more.
+            for task in tasks.values():
+                task.cancel()
+            writer.close()
+
+    async def _submit(self, message: protocol.Submit, send) -> None:
+        try:
+            model = self.engine.model(message.model)
+            payload = self._decoder(message.model, model.payload_type).decode(message.payload)
+            context = message.trace.context() if message.trace is not None else None
+            result = await self.engine.submit(message.model, payload, message.timeout_s, context)
+            answer = protocol.Answer(
+                message.id,
+                msgspec.Raw(protocol.encode(result.value)),
+                result.batch_size,
+                result.queue_wait_s,
+                result.run_s,
+                result.worker,
+                protocol.TraceRef.of(result.batch_ref),
+            )
+        except asyncio.CancelledError:
+            return  # the caller went away; nobody reads a reply
+        except Exception as exc:
+            send(protocol.refusal(message.id, exc))
+            return
+        send(answer)
+
+    def _decoder(self, key: str, kind: type) -> msgspec.msgpack.Decoder:
+        if key not in self._payloads:
+            self._payloads[key] = protocol.decoder(kind)
+        return self._payloads[key]
+
+    def _states(self, request_id: int) -> protocol.States:
+        models = {
+            key: protocol.ModelStatus(state.state, state.error, state.description)
+            for key, state in self.engine.states().items()
+        }
+        return protocol.States(request_id, self.engine.draining, models)
+
+
+def run_engine(
+    device: str,
+    plans: list[ModelPlan],
+    path: str,
+    parent_pid: int,
+    log_format: str,
+    log_level: str,
+    drain_timeout_s: float,
+) -> None:
+    """The entry of an engine process."""
+    from telemetry import setup_logging, setup_tracing, shutdown_tracing
+
+    exit_with_parent(parent_pid)
+    setup_logging(log_format, log_level)
+    setup_tracing(max_batch_size=max(plan.max_batch_size for plan in plans))
+    try:
+        asyncio.run(_serve(torch.device(device), plans, path, drain_timeout_s))
+    finally:
+        shutdown_tracing()
+
+
+async def _serve(device: torch.device, plans: list[ModelPlan], path: str, drain_s: float):
+    engine = Engine(device, plans)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = await asyncio.start_unix_server(EngineServer(engine).connection, path=path)
+    log.info("engine on %s listens on %s", device, path)
+    loading = engine.start()
+    stopping = loop.create_task(stop.wait())
+    await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
+    if loading.done():
+        # The models and their libraries live as long as the process: keep the garbage
+        # collector's full collections from scanning them between batches.
+        gc.collect()
+        gc.freeze()
+    await stopping
+    log.info("engine on %s draining", device)
+    await engine.drain(drain_s)
+    server.close()
+    await engine.close()
