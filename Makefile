@@ -15,7 +15,7 @@ else
 TORCH_SPEC ?= torch==2.13.0
 endif
 
-.PHONY: install run test lint format bench bench-cpu bench-gpu eval-formula eval-image train-formula train-image clean
+.PHONY: install run test lint format docs bench bench-cpu bench-gpu eval-formula eval-image train-formula train-image clean
 
 install: $(STAMP)
 
@@ -39,6 +39,11 @@ lint: install
 format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+
+# The configuration reference is generated from app/settings.py; tests fail while it is stale.
+docs: install
+	$(PY) -m app.config_doc > docs/configuration.md.tmp
+	mv docs/configuration.md.tmp docs/configuration.md
 
 bench: bench-cpu
 
