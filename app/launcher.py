@@ -113,12 +113,19 @@ def serve(host: str, port: int, settings: Settings | None = None) -> None:
         Launcher(settings, plan, host, port).run()
 
 
-def _serve_single(settings: Settings, plan: ProcessPlan, host: str, port: int) -> None:
+def single_process_app(settings: Settings, plan: ProcessPlan | None = None):
+    """The app with its engine inside it, on the plan's first device (a CPU by default)."""
     from app.main import build_app
+
+    devices = plan.devices if plan is not None else [torch.device("cpu")]
+    engine = LocalEngine(Engine(devices[0], model_plans(settings, devices[:1])))
+    return build_app(settings, request_models(settings, devices[:1]), [engine])
+
+
+def _serve_single(settings: Settings, plan: ProcessPlan, host: str, port: int) -> None:
     from app.server import TexelServer, uvicorn_config
 
-    engine = LocalEngine(Engine(plan.devices[0], model_plans(settings, plan.devices)))
-    app = build_app(settings, request_models(settings, plan.devices), [engine])
+    app = single_process_app(settings, plan)
     TexelServer(uvicorn_config(app, settings, host=host, port=port), app.state.runtime).run()
 
 
@@ -200,6 +207,7 @@ class Launcher:
         os.mkdir(metrics_dir)
         # Inherited by every child; read by prometheus_client when it is imported there.
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        os.environ["TEXEL_LAUNCHER_PID"] = str(os.getpid())  # where `texel diagnose` looks
         # Holds the port (bound, never listening, so it takes no connections) and says
         # at once when it is taken.
         holder = reuseport_socket(self.host, self.port)

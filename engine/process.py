@@ -147,6 +147,7 @@ async def _serve(device: torch.device, plans: list[ModelPlan], path: str, drain_
     server = await asyncio.start_unix_server(EngineServer(engine).connection, path=path)
     log.info("engine on %s listens on %s", device, path)
     loading = engine.start()
+    memory = loop.create_task(_record_memory(device))
     stopping = loop.create_task(stop.wait())
     await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
     if loading.done():
@@ -157,5 +158,15 @@ async def _serve(device: torch.device, plans: list[ModelPlan], path: str, drain_
     await stopping
     log.info("engine on %s draining", device)
     await engine.drain(drain_s)
+    memory.cancel()
     server.close()
     await engine.close()
+
+
+async def _record_memory(device: torch.device, every_s: float = 1.0) -> None:
+    """The device's torch-allocator gauges, which only this process can read."""
+    from telemetry.resources import record_allocator
+
+    while True:
+        record_allocator(device)
+        await asyncio.sleep(every_s)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 import psutil
@@ -63,10 +64,10 @@ def _time_collection(phase: str, info: dict) -> None:
 
 
 def loop_lag_totals(families: Iterable[Metric] | None = None) -> tuple[float, float]:
-    """(sum of lag seconds, number of samples) of the event-loop lag histogram so far, in
-    this process or in `families` (another HTTP process's `metrics.snapshot()`)."""
+    """(sum of lag seconds, number of samples) of the event-loop lag histogram so far,
+    over every process of the server (or in `families`)."""
     total = count = 0.0
-    for family in metrics.EVENT_LOOP_LAG.collect() if families is None else families:
+    for family in metrics.families() if families is None else families:
         if family.name != "texel_event_loop_lag_seconds":
             continue
         for sample in family.samples:
@@ -154,10 +155,10 @@ def classify(sample: Sample) -> Verdict:
 
 
 def stage_totals(families: Iterable[Metric] | None = None) -> dict[str, float]:
-    """Seconds spent so far in each stage, summed over models, in this process or in
-    `families` (another HTTP process's `metrics.snapshot()`)."""
+    """Seconds spent so far in each stage, summed over models and over every process of
+    the server (or in `families`)."""
     totals: dict[str, float] = {}
-    for family in metrics.STAGE_DURATION.collect() if families is None else families:
+    for family in metrics.families() if families is None else families:
         if family.name != "texel_stage_duration_seconds":
             continue
         for sample in family.samples:
@@ -168,7 +169,7 @@ def stage_totals(families: Iterable[Metric] | None = None) -> dict[str, float]:
 
 
 def _family(process: psutil.Process) -> list[psutil.Process]:
-    """This process and its live children: preprocessing and worker processes."""
+    """A process and its live descendants: with a launcher, every process of the server."""
     return [process, *process.children(recursive=True)]
 
 
@@ -208,14 +209,12 @@ class BottleneckSampler:
         stages: Callable[[], dict[str, float]] = stage_totals,
         loop_lag: Callable[[], tuple[float, float]] = loop_lag_totals,
     ) -> None:
-        # The other HTTP processes' `metrics.snapshot()`s, when there are any: their
-        # stage times and event-loop lag count too.
-        self.others: Callable[[], Awaitable[list[list[Metric]]]] | None = None
         self._nvml = Nvml() if gpu_probe is None else None
         self._gpu_probe = gpu_probe or self._nvml_probe
         self._stages = stages
         self._loop_lag = loop_lag
-        self._process = psutil.Process()
+        # The server's root process: the launcher, when there is one.
+        self._process = psutil.Process(int(os.environ.get("TEXEL_LAUNCHER_PID", os.getpid())))
 
     def _nvml_probe(self) -> float | None:
         readings = self._nvml.read() if self._nvml else []
@@ -252,14 +251,8 @@ class BottleneckSampler:
         )
 
     async def _totals(self) -> tuple[dict[str, float], tuple[float, float]]:
-        """Stage seconds and (lag seconds, lag samples), this process's plus the others'."""
-        stages, (lag, lag_count) = dict(self._stages()), self._loop_lag()
-        for families in await self.others() if self.others is not None else []:
-            for stage, seconds in stage_totals(families).items():
-                stages[stage] = stages.get(stage, 0.0) + seconds
-            other_lag, other_count = loop_lag_totals(families)
-            lag, lag_count = lag + other_lag, lag_count + other_count
-        return stages, (lag, lag_count)
+        """Stage seconds and (lag seconds, lag samples) of every process so far."""
+        return dict(self._stages()), self._loop_lag()
 
     async def diagnose(self, window_s: float = 10.0) -> Verdict:
         return classify(await self.sample(window_s))

@@ -1,0 +1,288 @@
+"""The engine: one owner of a device, reached in-process or over its socket alike."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from engine import (
+    DeadlineExceeded,
+    Engine,
+    EngineUnavailable,
+    LocalEngine,
+    ModelPlan,
+    NotReady,
+    QueueFull,
+    RemoteEngine,
+    UnknownModel,
+    protocol,
+)
+from engine.process import EngineServer
+from models.base import DeviceRunner, Model
+from models.formula.preprocess import FormulaInput
+from models.image.adapter import GeneratedImages, ImageJob
+
+CPU = torch.device("cpu")
+
+
+class Doubler(Model):
+    """A model family of the simplest kind: a number in, twice it out, after `delay_s`."""
+
+    key = "double"
+    payload_type = int
+    output_type = int
+
+    def __init__(self, delay_s: float = 0.0, fail_on: int | None = None) -> None:
+        super().__init__("doubler", "doubler")
+        self.delay_s = delay_s
+        self.fail_on = fail_on
+        self.batches: list[list[int]] = []
+        self.release = threading.Event()
+        self.release.set()
+
+    def open(self) -> None:
+        pass
+
+    def load(self, device) -> None:
+        pass
+
+    def warmup(self, device, max_batch_size: int) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {"factor": 2}
+
+    def bucket(self, payload: int) -> int:
+        return 0
+
+    def runner(self, device) -> DeviceRunner:
+        def run(payloads: list[int], should_stop) -> list[int]:
+            self.batches.append(list(payloads))
+            self.release.wait(10)
+            if self.fail_on in payloads:
+                raise ValueError("the model broke")
+            return [2 * p for p in payloads]
+
+        return DeviceRunner(run)
+
+    def request_stages(self):
+        return []
+
+    def response_stages(self):
+        return []
+
+
+def plan(model: Doubler, **policy) -> ModelPlan:
+    defaults = {"max_batch_size": 8, "max_wait_s": 0.05, "max_queue": 16}
+    return ModelPlan("double", lambda: model, **{**defaults, **policy})
+
+
+async def ready_engine(model: Doubler, **policy) -> Engine:
+    engine = Engine(CPU, [plan(model, **policy)])
+    await engine.start()
+    assert engine.states()["double"].state == "ready"
+    return engine
+
+
+@pytest.fixture
+async def remote(tmp_path):
+    """An engine served on a Unix socket in this process, and a client connected to it."""
+    model = Doubler()
+    engine = await ready_engine(model)
+    path = str(tmp_path / "engine.sock")
+    server = await asyncio.start_unix_server(EngineServer(engine).connection, path=path)
+    client = RemoteEngine(path, "cpu")
+    await client.start()
+    for _ in range(100):
+        if client.connected:
+            break
+        await asyncio.sleep(0.01)
+    yield model, engine, server, client
+    await client.close()
+    server.close()
+    await engine.close()
+
+
+# -- the protocol ------------------------------------------------------------------
+
+
+def test_a_formula_payload_crosses_the_protocol_unchanged() -> None:
+    strip = np.arange(32 * 70, dtype=np.uint8).reshape(32, 70)
+    payload = FormulaInput(strip, 128)
+    back = protocol.decoder(FormulaInput).decode(protocol.encode(payload))
+    assert back.bucket == 128
+    assert back.strip.dtype == np.uint8 and back.strip.shape == (32, 70)
+    assert np.array_equal(back.strip, strip)
+
+
+def test_images_and_jobs_cross_the_protocol_unchanged() -> None:
+    pixels = np.random.default_rng(0).integers(0, 256, (16, 24, 3), dtype=np.uint8)
+    out = GeneratedImages([pixels], (7,), [0.5, 0.25])
+    back = protocol.decoder(GeneratedImages).decode(protocol.encode(out))
+    assert back.seeds == (7,) and back.step_s == [0.5, 0.25]
+    assert np.array_equal(back.images[0], pixels)
+    job = ImageJob("a cat", None, 64, 32, 4, 7.5, (1, 2), 5)
+    assert protocol.decoder(ImageJob).decode(protocol.encode(job)) == job
+
+
+def test_a_refusal_comes_back_as_the_error_it_stands_for() -> None:
+    full = protocol.refusal_error(protocol.refusal(1, QueueFull(9, 3.0)))
+    assert isinstance(full, QueueFull) and full.retry_after_s == 3.0
+    late = protocol.refusal_error(protocol.refusal(2, DeadlineExceeded("too late")))
+    assert isinstance(late, DeadlineExceeded) and late.message == "too late"
+    odd = protocol.refusal_error(protocol.refusal(3, KeyError("x")))
+    assert odd.code == "batch_failed" and "KeyError" in odd.message
+
+
+# -- the engine --------------------------------------------------------------------
+
+
+async def test_concurrent_requests_run_in_one_batch() -> None:
+    model = Doubler()
+    engine = await ready_engine(model)
+    results = await asyncio.gather(*(engine.submit("double", n, 5.0) for n in range(4)))
+    assert [r.value for r in results] == [0, 2, 4, 6]
+    assert model.batches == [[0, 1, 2, 3]]
+    assert {r.batch_size for r in results} == {4}
+    await engine.close()
+
+
+async def test_an_engine_refuses_what_it_cannot_serve() -> None:
+    engine = Engine(CPU, [plan(Doubler())])
+    with pytest.raises(NotReady):  # not started: still loading
+        await engine.submit("double", 1, 5.0)
+    await engine.start()
+    with pytest.raises(UnknownModel):
+        await engine.submit("triple", 1, 5.0)
+    await engine.close()
+
+
+async def test_a_model_that_fails_to_load_is_reported_failed() -> None:
+    def broken() -> Model:
+        raise OSError("no weights at /nowhere")
+
+    engine = Engine(CPU, [ModelPlan("double", broken, 8, 0.01, 16)])
+    await engine.start()
+    state = engine.states()["double"]
+    assert state.state == "failed" and "no weights at /nowhere" in state.error
+    await engine.close()
+
+
+async def test_the_local_client_answers_like_the_engine() -> None:
+    model = Doubler()
+    client = LocalEngine(Engine(CPU, [plan(model)]))
+    await client.start()
+    await client.engine._loader
+    result = await client.submit(model, 21, 5.0, None)
+    assert result.value == 42 and result.worker == "cpu"
+    draining, states = await client.states()
+    assert not draining and states["double"].description == {"factor": 2}
+    await client.close()
+
+
+# -- over the socket -----------------------------------------------------------------
+
+
+async def test_a_remote_engine_answers_like_a_local_one(remote) -> None:
+    model, _, _, client = remote
+    results = await asyncio.gather(*(client.submit(model, n, 5.0, None) for n in range(3)))
+    assert [r.value for r in results] == [0, 2, 4]
+    assert model.batches == [[0, 1, 2]]
+    draining, states = await client.states()
+    assert states["double"].state == "ready" and states["double"].description == {"factor": 2}
+
+
+async def test_a_batch_failure_reaches_the_client_as_batch_failed(remote) -> None:
+    model, _, _, client = remote
+    model.fail_on = 3
+    with pytest.raises(Exception) as failure:
+        await client.submit(model, 3, 5.0, None)
+    assert failure.value.code == "batch_failed" and "the model broke" in failure.value.message
+
+
+async def test_a_full_queue_answers_429_material_over_the_socket(tmp_path) -> None:
+    model = Doubler()
+    model.release.clear()  # the first batch holds the worker
+    engine = await ready_engine(model, max_batch_size=1, max_queue=1, max_wait_s=0)
+    path = str(tmp_path / "e.sock")
+    server = await asyncio.start_unix_server(EngineServer(engine).connection, path=path)
+    client = RemoteEngine(path, "cpu")
+    await client.start()
+    while not client.connected:
+        await asyncio.sleep(0.01)
+    running = asyncio.ensure_future(client.submit(model, 1, 5.0, None))
+    while not model.batches:
+        await asyncio.sleep(0.01)
+    queued = asyncio.ensure_future(client.submit(model, 2, 5.0, None))
+    await asyncio.sleep(0.05)
+    with pytest.raises(QueueFull) as full:
+        await client.submit(model, 3, 5.0, None)
+    assert full.value.retry_after_s > 0
+    model.release.set()
+    assert (await running).value == 2 and (await queued).value == 4
+    await client.close()
+    server.close()
+    await engine.close()
+
+
+async def test_a_cancelled_request_leaves_the_engine_queue(remote) -> None:
+    model, engine, _, client = remote
+    model.release.clear()
+    first = asyncio.ensure_future(client.submit(model, 1, 5.0, None))
+    while not model.batches:
+        await asyncio.sleep(0.01)
+    waiting = asyncio.ensure_future(client.submit(model, 2, 5.0, None))
+    await asyncio.sleep(0.05)
+    assert engine._served["double"].batcher.depth == 1
+    waiting.cancel()
+    for _ in range(100):
+        if engine._served["double"].batcher.depth == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine._served["double"].batcher.depth == 0, "the cancel reached the engine"
+    model.release.set()
+    assert (await first).value == 2
+
+
+async def test_requests_in_an_engine_that_goes_away_fail_and_the_client_reconnects(
+    tmp_path,
+) -> None:
+    model = Doubler()
+    model.release.clear()
+    engine = await ready_engine(model)
+    path = str(tmp_path / "e.sock")
+    connections: list[asyncio.StreamWriter] = []
+
+    async def accept(reader, writer):
+        connections.append(writer)
+        await EngineServer(engine).connection(reader, writer)
+
+    server = await asyncio.start_unix_server(accept, path=path)
+    client = RemoteEngine(path, "cpu")
+    await client.start()
+    while not client.connected:
+        await asyncio.sleep(0.01)
+    in_flight = asyncio.ensure_future(client.submit(model, 1, 5.0, None))
+    while not model.batches:
+        await asyncio.sleep(0.01)
+    server.close()  # the engine process dies: its socket and connections close
+    for writer in connections:
+        writer.transport.abort()
+    with pytest.raises(EngineUnavailable):
+        await asyncio.wait_for(in_flight, 5)
+    model.release.set()
+    engine2 = await ready_engine(Doubler())
+    server2 = await asyncio.start_unix_server(EngineServer(engine2).connection, path=path)
+    for _ in range(200):
+        if client.connected:
+            break
+        await asyncio.sleep(0.02)
+    assert (await client.submit(model, 5, 5.0, None)).value == 10
+    await client.close()
+    server2.close()
+    await engine.close()
+    await engine2.close()
