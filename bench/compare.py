@@ -239,7 +239,8 @@ def model_only(
 
     device = resolve_devices("auto")[0]
     recognizer = FormulaRecognizer(model, [device])
-    recognizer.load()
+    recognizer.open()
+    recognizer.load(device)
     recognizer.warmup(device, max(batch_sizes))
     run = recognizer.runner(device)
     items = [recognizer.preprocess(image) for image in images]

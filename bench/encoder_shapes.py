@@ -43,7 +43,8 @@ def main() -> None:
 
     device = resolve_devices("auto")[0]
     recognizer = FormulaRecognizer(args.model, [device])
-    recognizer.load()
+    recognizer.open()
+    recognizer.load(device)
     started = time.perf_counter()
     recognizer.warmup(device, args.max_batch_size)
     warmup_s = time.perf_counter() - started

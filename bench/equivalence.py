@@ -89,7 +89,8 @@ def main() -> None:
     recognizers = {}
     for label, decoder in (("served", args.decoder), ("generate", "generate")):
         recognizer = FormulaRecognizer(args.model, [device], decoder=decoder)
-        recognizer.load()
+        recognizer.open()
+        recognizer.load(device)
         recognizer.warmup(device, args.batch_size)
         recognizers[label] = recognizer
     served = recognizers["served"]

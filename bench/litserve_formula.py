@@ -28,7 +28,8 @@ class FormulaAPI(ls.LitAPI):
     def setup(self, device: str) -> None:
         self.device = torch.device(device)
         self.recognizer = FormulaRecognizer(self.model_source, [self.device])
-        self.recognizer.load()
+        self.recognizer.open()
+        self.recognizer.load(self.device)
         self.recognizer.warmup(self.device, self.max_batch_size)
         self.run = self.recognizer.runner(self.device)
 

@@ -34,9 +34,6 @@ CONFIGS = {
         "OTEL_TRACES_SAMPLER_ARG": "0.01",
     },
     "tracing SDK off (OTEL_SDK_DISABLED=true)": {"OTEL_SDK_DISABLED": "true"},
-    "2 preprocessing processes": {"TEXEL_PREPROCESS_PROCESSES": "2"},
-    # The serving process answers some requests itself and takes the others' decoded
-    # inputs over the channel (`forwarded`): its CPU per request mixes the two.
     "2 HTTP processes": {"TEXEL_HTTP_PROCESSES": "2"},
 }
 

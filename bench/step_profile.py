@@ -73,7 +73,8 @@ def main() -> None:
 
     device = resolve_devices(args.device)[0]
     recognizer = FormulaRecognizer(args.model, [device], decoder="static")
-    recognizer.load()
+    recognizer.open()
+    recognizer.load(device)
     recognizer.warmup(device, args.rows)
     decoder = recognizer._decoders[str(device)]
     images = formula_images(args.data, args.rows)

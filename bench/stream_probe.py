@@ -214,7 +214,8 @@ def main() -> None:
     recognizer = FormulaRecognizer(
         args.model, [device], continuous=True, bucket_step=args.bucket_width
     )
-    recognizer.load()
+    recognizer.open()
+    recognizer.load(device)
     recognizer.warmup(device, args.max_batch_size)
     if recognizer.runner(device).stream is None:
         sys.exit("this device and model do not stream (static decoder needed)")

@@ -13,6 +13,7 @@ import gc
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -138,7 +139,15 @@ def run_engine(
         shutdown_tracing()
 
 
+# The compute thread gives the interpreter lock up at every GPU synchronization and must
+# get it back from the event loop at once, not after Python's default 5 ms
+# (bench/RESULTS.md, "switch interval").
+GPU_SWITCH_INTERVAL_S = 0.0005
+
+
 async def _serve(device: torch.device, plans: list[ModelPlan], path: str, drain_s: float):
+    if device.type == "cuda":
+        sys.setswitchinterval(GPU_SWITCH_INTERVAL_S)
     engine = Engine(device, plans)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -23,7 +23,7 @@ download .whl transformers==5.24.0 fastapi starlette uvicorn httptools pydantic 
     opentelemetry-exporter-otlp-proto-common opentelemetry-proto \
     opentelemetry-semantic-conventions opentelemetry-instrumentation \
     opentelemetry-instrumentation-fastapi opentelemetry-instrumentation-asgi \
-    opentelemetry-util-http googleapis-common-protos asgiref litserve pyzmq py-spy
+    opentelemetry-util-http googleapis-common-protos asgiref litserve pyzmq py-spy msgspec
 download .whlx diffusers==0.42.1 importlib_metadata
 .venv/bin/python -m bench.device.pack_data --data "${1:-../shared/data}"
 du -sh .whl .whlx .fd .gb
