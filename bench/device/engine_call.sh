@@ -18,11 +18,11 @@ timeout 120 python3 -m bench.equivalence --data /tmp/b --images 500 --batch-size
     --out $OUT/equivalence.jsonl >> $L 2>&1
 image() {
     echo "=== image $* at $(( $(date +%s) - T0 ))s" >> $L
-    timeout 300 python3 -m bench.compare_image --size sd15 --batch-sizes 1,8 --steps 20 \
+    timeout 300 python3 -m bench.compare_image --size sd15 --steps 20 \
         --duration 15 --warmup 5 --client-processes 4 --skip-nobatch --model-dir /tmp/sd15 \
         --out $OUT/h200-image-engine.jsonl "$@" >> $L 2>&1 \
         || { echo "rc=$?"; tail -40 "$(ls -t /tmp/texel-test-*.log | head -1)"; } >> $L
 }
-image
-TEXEL_IMAGE__MAX_WAIT_MS=100 image
+image --batch-sizes 1,8
+TEXEL_IMAGE__MAX_WAIT_MS=100 image --batch-sizes 8
 echo "=== all done at $(( $(date +%s) - T0 ))s" >> $L
