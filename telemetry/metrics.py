@@ -171,13 +171,14 @@ TORCH_RESERVED = Gauge(
 )
 
 
-def _register_resources(registry: CollectorRegistry) -> None:
+def _resources():
     from telemetry.resources import ResourceCollector
 
-    registry.register(ResourceCollector())
+    return ResourceCollector()
 
 
-_register_resources(REGISTRY)
+_RESOURCES = _resources()  # one: NVML initializes once per process
+REGISTRY.register(_RESOURCES)
 
 
 def registry() -> CollectorRegistry:
@@ -186,7 +187,7 @@ def registry() -> CollectorRegistry:
         return REGISTRY
     merged = CollectorRegistry()
     MultiProcessCollector(merged)
-    _register_resources(merged)
+    merged.register(_RESOURCES)
     return merged
 
 
