@@ -52,7 +52,7 @@ class EngineServer:
         pending: list[bytes] = []
 
         def send(message: Any) -> None:
-            pending.append(protocol.frame(message))
+            pending.append(message if isinstance(message, bytes) else protocol.frame(message))
             if len(pending) == 1:
                 asyncio.get_running_loop().call_soon(flush)
 
@@ -98,12 +98,15 @@ class EngineServer:
                 result.worker,
                 protocol.TraceRef.of(result.batch_ref),
             )
+            frame = protocol.frame(answer)
         except asyncio.CancelledError:
             return  # the caller went away; nobody reads a reply
         except Exception as exc:
+            if not hasattr(exc, "code"):  # not a refusal the batcher or engine made
+                log.exception("request %d of %s failed", message.id, message.model)
             send(protocol.refusal(message.id, exc))
             return
-        send(answer)
+        send(frame)
 
     def _decoder(self, key: str, kind: type) -> msgspec.msgpack.Decoder:
         if key not in self._payloads:

@@ -16,6 +16,7 @@ names the quadrant:
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import os
 import time
@@ -42,6 +43,7 @@ async def watch_event_loop(interval_s: float = LOOP_LAG_INTERVAL_S) -> None:
         due = loop.time() + interval_s
         await asyncio.sleep(interval_s)
         metrics.EVENT_LOOP_LAG.observe(max(0.0, loop.time() - due))
+        record_collections()
 
 
 def watch_garbage_collector() -> None:
@@ -52,6 +54,10 @@ def watch_garbage_collector() -> None:
 
 
 _collection_started: list[float] = []
+# (generation, seconds) of collections not yet in the histogram. The callback must not
+# touch a metric itself: a collection can start inside a metric's update, and in
+# multiprocess mode every metric shares one lock that is not reentrant.
+_collections: collections.deque[tuple[str, float]] = collections.deque(maxlen=10_000)
 
 
 def _time_collection(phase: str, info: dict) -> None:
@@ -60,7 +66,14 @@ def _time_collection(phase: str, info: dict) -> None:
         _collection_started[:] = [time.perf_counter()]
     elif _collection_started:
         elapsed = time.perf_counter() - _collection_started.pop()
-        metrics.GC_PAUSE.labels(str(info.get("generation", ""))).observe(elapsed)
+        _collections.append((str(info.get("generation", "")), elapsed))
+
+
+def record_collections() -> None:
+    """Move the collections timed since the last call into the pause histogram."""
+    while _collections:
+        generation, seconds = _collections.popleft()
+        metrics.GC_PAUSE.labels(generation).observe(seconds)
 
 
 def loop_lag_totals(families: Iterable[Metric] | None = None) -> tuple[float, float]:
