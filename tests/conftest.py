@@ -13,7 +13,7 @@ import httpx
 import pytest
 from PIL import Image, ImageDraw
 
-from bench.server import ROOT, ServerProcess, free_port
+from tests.server import ROOT, ServerProcess, free_port
 
 __all__ = ["ROOT", "ServerProcess", "free_port", "formula_png", "wait_for"]
 SHARED_DATA = Path(os.environ.get("TEXEL_DATA", ROOT.parent / "shared" / "data"))

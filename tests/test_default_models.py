@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from bench.server import ROOT, ServerProcess
 from tests.conftest import SHARED_DATA
+from tests.server import ROOT, ServerProcess
 
 FORMULAS = SHARED_DATA / "im2latex-val"
 DEFAULT_FORMULA = ROOT / "models" / "formula" / "default"
