@@ -21,7 +21,7 @@ SHARED_DATA = Path(os.environ.get("TEXEL_DATA", ROOT.parent / "shared" / "data")
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    from models.tiny import build_tiny_formula_model, build_tiny_image_pipeline
+    from training.tiny import build_tiny_formula_model, build_tiny_image_pipeline
 
     root = tmp_path_factory.mktemp("tiny-models")
     return {

@@ -144,7 +144,7 @@ class FormulaRecognizer:
         self.tokenizer = AutoTokenizer.from_pretrained(self.source)
         for device in self.devices if weights else []:
             # bf16 on CPUs with bf16 matrix instructions too: the same dev scores as fp32,
-            # the encoder twice as fast (models/formula/NOTES.md).
+            # the encoder twice as fast (training/formula/NOTES.md).
             dtype = resolve_dtype(self.dtype_setting, device, torch.bfloat16, torch.bfloat16)
             model = VisionEncoderDecoderModel.from_pretrained(self.source, dtype=dtype)
             self._models[str(device)] = model.to(device).eval()
