@@ -61,20 +61,20 @@ bench-gpu: install
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
 
-# The default models. Training needs a GPU (see models/*/NOTES.md for the runs behind
+# The default models. Training needs a GPU (see training/*/NOTES.md for the runs behind
 # the shipped weights); evaluation runs anywhere.
 eval-formula: install
-	$(PY) -m models.formula.evaluate --data $(DATA)/im2latex-val --model models/formula/default --served --dtype auto --latency --by-length
+	$(PY) -m training.formula.evaluate --data $(DATA)/im2latex-val --model models/formula/default --served --dtype auto --latency --by-length
 
 eval-image: install
-	$(PY) -m models.image.evaluate --model models/image/default
+	$(PY) -m training.image.evaluate --model models/image/default
 
 train-formula: install
 	$(VENV)/bin/pip install --quiet -e ".[dev,train]"
-	$(PY) -m models.formula.train --data $(DATA)/im2latex-val --out models/formula/default \
+	$(PY) -m training.formula.train --data $(DATA)/im2latex-val --out models/formula/default \
 		--steps 100000 --max-minutes 7.9 --batch-size 256 --lr 8e-4 --real-fraction 0.3 \
 		--eval-every 1500 --seed 0 --log formula-train.jsonl
 
 train-image: install
 	$(VENV)/bin/pip install --quiet -e ".[dev,train]"
-	$(PY) -m models.image.train --out models/image/default
+	$(PY) -m training.image.train --out models/image/default

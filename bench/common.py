@@ -65,34 +65,3 @@ def append_records(records: list[dict], path: Path) -> None:
     with path.open("a") as out:
         for record in records:
             out.write(json.dumps(record) + "\n")
-
-
-def otlp_sink(on_request=None) -> str:
-    """A local OTLP/HTTP endpoint, so export costs are real; returns its URL.
-
-    `on_request(request)`, if given, receives each `ExportTraceServiceRequest`
-    (tests read the spans back); otherwise the spans are discarded.
-    """
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class Sink(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - the stdlib's name
-            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            if on_request is not None:
-                from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-                    ExportTraceServiceRequest,
-                )
-
-                on_request(ExportTraceServiceRequest.FromString(body))
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_address[1]}"

@@ -42,7 +42,7 @@ from bench.common import append_records, commit, settings_env
 from bench.compare import gpu_name, gpu_results_file, scrape, texel_extras
 from bench.load import LoadResult, Workload, closed_loop_processes, open_loop
 from bench.server import ServerProcess
-from models.tiny import byte_level_vocab
+from training.tiny import byte_level_vocab
 
 PROMPTS = [
     "a red circle on a blue background",

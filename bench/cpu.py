@@ -15,16 +15,9 @@ import json
 import time
 from pathlib import Path
 
-from bench.common import (
-    append_records,
-    commit,
-    formula_images,
-    machine,
-    otlp_sink,
-    settings_env,
-)
+from bench.common import append_records, commit, formula_images, machine, settings_env
 from bench.load import LoadResult, Workload, closed_loop
-from bench.server import ROOT, ServerProcess
+from bench.server import ROOT, ServerProcess, otlp_sink
 
 PROMPTS = [
     "a red circle on a blue background",

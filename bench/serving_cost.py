@@ -39,14 +39,19 @@ CONFIGS = {
 
 
 def serve_instant(host: str, port: int) -> None:
-    """`texel serve`, each formula batch answered at once with a fixed 48-token result."""
+    """`texel serve`, each formula batch answered at once with a fixed 48-token result:
+    the recognizer's public `runner` (what the batcher calls per device) is replaced;
+    warm-up still runs the model."""
     from app.cli import serve
     from models.formula import adapter
 
-    def instant(self, device, batch, should_stop, max_new_tokens=None):
-        return [adapter.FormulaTokens([10, 11, 12, 13] * 12, 1e-5) for _ in batch]
+    def instant_runner(self, device):
+        def run(batch, should_stop):
+            return [adapter.FormulaTokens([10, 11, 12, 13] * 12, 1e-5) for _ in batch]
 
-    adapter.FormulaRecognizer._generate = instant
+        return run  # no `stream`: whole batches, as TEXEL_FORMULA__CONTINUOUS=false asks
+
+    adapter.FormulaRecognizer.runner = instant_runner
     serve(host, port)
 
 

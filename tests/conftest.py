@@ -13,7 +13,7 @@ import httpx
 import pytest
 from PIL import Image, ImageDraw
 
-from bench.server import ROOT, ServerProcess, free_port
+from tests.server import ROOT, ServerProcess, free_port
 
 __all__ = ["ROOT", "ServerProcess", "free_port", "formula_png", "wait_for"]
 SHARED_DATA = Path(os.environ.get("TEXEL_DATA", ROOT.parent / "shared" / "data"))
@@ -21,7 +21,7 @@ SHARED_DATA = Path(os.environ.get("TEXEL_DATA", ROOT.parent / "shared" / "data")
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    from models.tiny import build_tiny_formula_model, build_tiny_image_pipeline
+    from training.tiny import build_tiny_formula_model, build_tiny_image_pipeline
 
     root = tmp_path_factory.mktemp("tiny-models")
     return {

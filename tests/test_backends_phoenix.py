@@ -19,9 +19,9 @@ from collections import Counter
 import httpx
 import pytest
 
-from bench.server import ServerProcess
 from tests.backends import BackgroundProcess, ensure_backend
 from tests.conftest import formula_png, free_port
+from tests.server import ServerProcess
 
 STAGES = {"http.parse", "preprocess", "tokenize", "queue.wait", "generate", "postprocess"}
 PROJECT = "default"  # where Phoenix files spans that name no project

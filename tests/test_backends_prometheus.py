@@ -17,9 +17,9 @@ import httpx
 import pytest
 import yaml
 
-from bench.server import ServerProcess
 from tests.backends import BackgroundProcess, ensure_backend
 from tests.conftest import ROOT, formula_png, free_port
+from tests.server import ServerProcess
 
 COMPOSE = ROOT / "deploy" / "compose"
 STAGES = {"http.parse", "preprocess", "tokenize", "queue.wait", "generate", "postprocess"}

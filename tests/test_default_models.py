@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from bench.server import ROOT, ServerProcess
 from tests.conftest import SHARED_DATA
+from tests.server import ROOT, ServerProcess
 
 FORMULAS = SHARED_DATA / "im2latex-val"
 DEFAULT_FORMULA = ROOT / "models" / "formula" / "default"
@@ -19,7 +19,7 @@ DEFAULT_IMAGE = ROOT / "models" / "image" / "default"
 
 def dev_samples(count: int) -> list[tuple[str, str]]:
     """The first `count` images of the dev split (never trained on), in file order."""
-    from models.formula.data import is_dev
+    from training.formula.data import is_dev
 
     rows = [line.rstrip("\n").split("\t", 1) for line in (FORMULAS / "formulas.tsv").open()]
     return [(name, latex) for name, latex in rows if is_dev(name)][:count]
@@ -41,8 +41,8 @@ def test_the_default_models_load_and_report_their_names(default_server):
     not FORMULAS.exists(), reason=f"shared data not found at {FORMULAS}: set TEXEL_DATA"
 )
 def test_the_default_formula_model_reads_real_dev_images(default_server):
-    from models.formula.evaluate import normalized_edit_distance
-    from models.formula.tokenizer import latex_tokens
+    from training.formula.evaluate import normalized_edit_distance
+    from training.formula.tokenizer import latex_tokens
 
     distances, exact = [], 0
     with default_server.client() as client:
@@ -70,7 +70,7 @@ def test_the_default_formula_model_reads_real_dev_images(default_server):
 def test_the_served_evaluation_transcribes_as_the_server_does(default_server):
     """`evaluate --served` decodes through the server's own adapter and decoder: one image
     at a time (the same shapes as the server's lone requests), the same LaTeX."""
-    from models.formula.evaluate import recognize_served
+    from training.formula.evaluate import recognize_served
 
     images = [(FORMULAS / "images" / name).read_bytes() for name, _ in dev_samples(4)]
     texts = recognize_served(DEFAULT_FORMULA, "cpu", "auto", images, batch_size=1)
@@ -84,8 +84,8 @@ def test_the_served_evaluation_transcribes_as_the_server_does(default_server):
 def test_the_default_image_model_paints_the_prompted_background(default_server):
     import random
 
-    from models.image.judge import score
-    from models.image.shapes import prompt_for, random_spec
+    from training.image.judge import score
+    from training.image.shapes import prompt_for, random_spec
 
     rng = random.Random(7)
     prompts = [prompt_for(random_spec(rng, held_out=None)) for _ in range(12)]
@@ -99,7 +99,7 @@ def test_the_default_image_model_paints_the_prompted_background(default_server):
             assert image.size == (64, 64)
             results.append(score(image, prompt))
     # The shipped demonstration model gets backgrounds right (98% of held-out prompts in
-    # models/image/NOTES.md) but not yet colours, shapes or counts.
+    # training/image/NOTES.md) but not yet colours, shapes or counts.
     right = sum(r["background"] for r in results)
     assert right >= 10, list(zip(prompts, results, strict=True))
 

@@ -53,7 +53,7 @@ def _assert_same(
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from models.tiny import build_tiny_formula_model
+    from training.tiny import build_tiny_formula_model
 
     return build_tiny_formula_model(tmp_path_factory.mktemp("tiny-formula"))
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.formula.data import is_dev
-from models.formula.evaluate import corpus_bleu, edit_distance, normalized_edit_distance, score
-from models.formula.synth import FormulaComposer, mathtext_source
-from models.formula.tokenizer import (
+from training.formula.data import is_dev
+from training.formula.evaluate import corpus_bleu, edit_distance, normalized_edit_distance, score
+from training.formula.synth import FormulaComposer, mathtext_source
+from training.formula.tokenizer import (
     build_tokenizer,
     build_vocabulary,
     encode_formula,
@@ -110,7 +110,7 @@ def test_rename_variables_is_consistent():
 
 
 def test_scores_by_length_put_each_formula_in_its_bin() -> None:
-    from models.formula.evaluate import by_length
+    from training.formula.evaluate import by_length
 
     references = ["a + b", " ".join("x" * 30), " ".join("y" * 130), "c"]
     hypotheses = ["a + b", " ".join("x" * 29), " ".join("y" * 130), "d"]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from models.formula.train import grow_decoder
+from training.formula.train import grow_decoder
 
 
 def test_a_grown_decoder_keeps_the_weights_and_dtype_and_trains(tmp_path) -> None:
     from transformers import VisionEncoderDecoderModel
 
-    from models.tiny import build_tiny_formula_model
+    from training.tiny import build_tiny_formula_model
 
     # Saved in fp16 like the shipped model, then loaded in fp32 for training.
     saved = VisionEncoderDecoderModel.from_pretrained(build_tiny_formula_model(tmp_path / "m"))

@@ -17,8 +17,8 @@ import pytest
 from app.channel import Channel, ChannelClosed
 from app.errors import ApiError
 from batching import QueueFull
-from bench.common import otlp_sink
 from tests.conftest import formula_png, wait_for
+from tests.server import otlp_sink
 
 SLOW = {"prompt": "a slow one", "num_inference_steps": 40, "seed": 1}
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from models.image import judge, shapes
-from models.image.train import build_tokenizer
+from training.image import judge, shapes
+from training.image.train import build_tokenizer
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "image" / "default"
 
@@ -248,7 +248,7 @@ def test_shipped_pipeline_paints_the_asked_background(pipe):
 
 def test_the_evaluation_can_judge_a_running_service(server):
     """`evaluate --url`: the same cases through POST /generate, as RGB arrays to judge."""
-    from models.image.evaluate import Case, served_images
+    from training.image.evaluate import Case, served_images
 
     # short prompts: the tiny test model's text encoder reads only a few tokens
     some = [Case("red", 1, True), Case("blue", 2, False), Case("red", 3, False)]

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from models.formula import latex_render
-from models.formula.data import FormulaSample, is_dev, quantized_png
+from training.formula import latex_render
+from training.formula.data import FormulaSample, is_dev, quantized_png
 
 needs_latex = pytest.mark.skipif(
     shutil.which("latex") is None or shutil.which("dvipng") is None,

@@ -9,10 +9,10 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from models.formula.padding_mask import padding_mask, transcribe
 from models.formula.preprocess import FormulaImageSpec
-from models.formula.train import build_model
 from tests.conftest import ROOT
+from training.formula.padding_mask import padding_mask, transcribe
+from training.formula.train import build_model
 
 
 def test_the_mask_keeps_each_rows_content_columns_in_every_patch_row():

@@ -71,7 +71,7 @@ def test_a_batch_is_padded_with_white_and_normalized():
 
 
 def test_evaluation_pads_batches_to_the_server_buckets():
-    from models.formula.data import server_batch
+    from training.formula.data import server_batch
 
     strips = [np.zeros((32, 40), np.uint8), np.zeros((32, 70), np.uint8)]
     assert server_batch(strips, SPEC).shape == (2, 1, 32, 128), "the 64 px default"

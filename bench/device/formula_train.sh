@@ -10,7 +10,7 @@ T0=$(date +%s)
 (
     set -x
     CUDA_VISIBLE_DEVICES=$GPU timeout $(python3 -c "print(int($MINUTES * 60 + 90))") \
-        python3 -m models.formula.train \
+        python3 -m training.formula.train \
         --data /tmp/d/im2latex-val --init-from models/formula/default --out /tmp/fm \
         --steps 100000 --max-minutes "$MINUTES" --batch-size 256 --lr "$LR" --warmup 100 \
         --real-fraction "$REAL" --eval-every 0 --dev-limit 256 --workers 18 --seed "$SEED" \

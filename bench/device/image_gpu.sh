@@ -13,13 +13,13 @@ mkdir -p /tmp/b && tar xf .gb/bench_images.tar -C /tmp/b
 L=$OUT/image_train.log
 (
     export CUDA_VISIBLE_DEVICES=1
-    timeout 420 python3 -m models.image.train --out /tmp/im --train-images 240000 --workers 20 \
+    timeout 420 python3 -m training.image.train --out /tmp/im --train-images 240000 --workers 20 \
         --vae-from models/image/default/vae --vae-steps 0 --denoiser-from models/image/default \
         --unet-steps 100000 --unet-budget-s "${2:-300}" --unet-batch 1024 --unet-lr 3e-4 \
         --seed "$RANDOM" --metrics $OUT/image_metrics.json > $L 2>&1
     echo "train rc=$? at $(( $(date +%s) - T0 ))s" >> $L
     tar cf - -C /tmp im | split -b 15m - $OUT/im.tar.
-    timeout 90 python3 -m models.image.evaluate --model /tmp/im --device cuda --grid 10,15:2,3 \
+    timeout 90 python3 -m training.image.evaluate --model /tmp/im --device cuda --grid 10,15:2,3 \
         --batch-size 288 --workers 16 >> $L 2>&1
 ) &
 TRAIN=$!

@@ -15,7 +15,7 @@ import tarfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from models.formula.data import add_bytes, quantized_png
+from training.formula.data import add_bytes, quantized_png
 
 ROOT = Path(__file__).resolve().parents[2]
 

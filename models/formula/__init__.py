@@ -1,1 +1,1 @@
-"""Printed-formula recognition: adapter, preprocessing, and the default model's training."""
+"""Printed-formula recognition: the adapter, its preprocessing and static decoder."""

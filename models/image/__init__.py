@@ -1,1 +1,1 @@
-"""Text-to-image generation: the adapter, the shapes world, its judge and training code."""
+"""Text-to-image generation: the adapter over a diffusers pipeline."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from models.image.shapes import COLOURS, PALETTE, SceneSpec, parse_prompt
+from training.image.shapes import COLOURS, PALETTE, SceneSpec, parse_prompt
 
 CRITERIA: tuple[str, ...] = ("background", "colour", "shape", "count")
 

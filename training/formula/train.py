@@ -1,14 +1,14 @@
 """Train Texel's printed-formula recognizer and save it as a Hugging Face model directory.
 
-    python -m models.formula.train --data ../shared/data/im2latex-val --out models/formula/default
+    python -m training.formula.train --data ../shared/data/im2latex-val --out models/formula/default
 
 The model is a `VisionEncoderDecoderModel`: an AIMv2 vision transformer in its
 native-resolution mode (2-D sin-cos positions computed for each input size, so
 any width works and right padding leaves the content's positions unchanged)
 and a TrOCR decoder over a word-level im2latex vocabulary. Training mixes the
 real images of the train split with formulas rendered on the fly by
-`models.formula.synth` in a pool of worker processes and, with `--rendered`, a
-set drawn beforehand by real LaTeX (`models.formula.latex_render`); every batch
+`training.formula.synth` in a pool of worker processes and, with `--rendered`, a
+set drawn beforehand by real LaTeX (`training.formula.latex_render`); every batch
 is padded like a server batch. At the end the dev split is decoded greedily and scored,
 and the model is saved (fp16 safetensors, tokenizer, preprocessor and
 generation configs).
@@ -34,12 +34,12 @@ import torch.nn.functional as F
 from PIL import Image
 from tqdm import tqdm
 
-from models.formula import synth
-from models.formula.data import load_strips, read_formulas, split_samples
-from models.formula.evaluate import markdown_table, recognize, score
-from models.formula.latex_render import read_rendered
 from models.formula.preprocess import FormulaImageSpec, prepare_strip
-from models.formula.tokenizer import (
+from training.formula import synth
+from training.formula.data import load_strips, read_formulas, split_samples
+from training.formula.evaluate import markdown_table, recognize, score
+from training.formula.latex_render import read_rendered
+from training.formula.tokenizer import (
     build_tokenizer,
     build_vocabulary,
     encode_formula,

@@ -1,6 +1,6 @@
 """Dev-split evaluation of a formula model: BLEU-4, edit distance, exact match, latency.
 
-    python -m models.formula.evaluate --data ../shared/data/im2latex-val \
+    python -m training.formula.evaluate --data ../shared/data/im2latex-val \
         --model models/formula/default
 
 Images go through the server's preprocessing and are decoded greedily in
@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from models.devices import resolve_dtype
-from models.formula.data import (
+from models.formula.preprocess import FormulaImageSpec
+from training.formula.data import (
     BUCKET_STEP,
     load_strip,
     load_strips,
@@ -33,8 +34,7 @@ from models.formula.data import (
     split_samples,
     width_batches,
 )
-from models.formula.preprocess import FormulaImageSpec
-from models.formula.tokenizer import latex_tokens, normalize_spacing
+from training.formula.tokenizer import latex_tokens, normalize_spacing
 
 
 def _ngrams(tokens: Sequence[str], n: int) -> Counter:

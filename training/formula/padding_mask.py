@@ -1,7 +1,7 @@
 """Experiment: mask the right padding of formula strips, so an answer cannot depend on
 the width its batch was padded to.
 
-    python -m models.formula.padding_mask --data ../shared/data/im2latex-val [--width 1024]
+    python -m training.formula.padding_mask --data ../shared/data/im2latex-val [--width 1024]
 
 The served model attends to the white padding of its bucket (the encoder has no mask,
 and the decoder's cross-attention reads every position of the padded strip), so the
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from models.formula.data import load_strips, read_formulas, split_samples, width_batches
-from models.formula.evaluate import load_model, score
 from models.formula.fast_decode import StaticGreedyDecoder
 from models.formula.preprocess import bucket_width, pad_and_normalize
-from models.formula.tokenizer import normalize_spacing
+from training.formula.data import load_strips, read_formulas, split_samples, width_batches
+from training.formula.evaluate import load_model, score
+from training.formula.tokenizer import normalize_spacing
 
 
 def padding_mask(content_widths: list[int], height: int, width: int, patch: int, neg: float):

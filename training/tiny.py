@@ -5,8 +5,8 @@ through `from_pretrained`), so the whole serving path runs against them on a
 CPU in milliseconds. Their outputs are noise: they exercise the plumbing, they
 do not recognize formulas or draw anything meaningful.
 
-    python -m models.tiny formula DIR
-    python -m models.tiny image DIR
+    python -m training.tiny formula DIR
+    python -m training.tiny image DIR
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Train Texel's demonstration text-to-image pipeline on the shapes world.
 
-    python -m models.image.train --out models/image/default
+    python -m training.image.train --out models/image/default
 
 Steps, each reproducible from `--seed`: render the training scenes (in worker
 processes), build a tokenizer for the grammar's vocabulary, train the VAE,
@@ -38,14 +38,14 @@ from diffusers import (
 from tqdm import tqdm
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-from models.image import judge, shapes
+from models.image.adapter import DEFAULTS_FILE
+from training.image import judge, shapes
 
-log = logging.getLogger("models.image.train")
+log = logging.getLogger("training.image.train")
 
 LATENT_CHANNELS = 4
 TEXT_WIDTH = 128
 MAX_TOKENS = 16
-DEFAULTS_FILE = "texel.json"
 # Shared by training (DDPMScheduler) and sampling (DPM-Solver++). The cosine
 # schedule reaches (almost) zero signal at the last step, so sampling from pure
 # noise matches training, which matters for the background colour (the image mean)

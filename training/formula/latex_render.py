@@ -1,6 +1,6 @@
 """A pre-rendered synthetic formula set, drawn by real LaTeX the way im2latex was made.
 
-    python -m models.formula.latex_render --data ../shared/data/im2latex-val --out .rs/set \\
+    python -m training.formula.latex_render --data ../shared/data/im2latex-val --out .rs/set \\
         --count 30000 --seed 0 --workers 2 --pack .rs/rs.lvl.xz --pack-max-mb 26 \\
         --verbatim-share 0.15
 
@@ -11,7 +11,7 @@ the ink, padded by 8 px, placed top-left in a fixed-size bucket and downsampled 
 formulas, one formula per page, and a LaTeX error is traced to its formula
 through markers written to the log, so a formula that does not compile is
 skipped rather than saved with a garbled picture. Unlike matplotlib's mathtext
-(`models.formula.synth`), it draws arrays, `\\\\`, `\\big` and the rest.
+(`training.formula.synth`), it draws arrays, `\\\\`, `\\big` and the rest.
 
 The formulas are train-split formulas and new ones composed from them by
 `synth.FormulaComposer`; no dev formula is ever written. The set is a folder
@@ -42,8 +42,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from models.formula.data import add_bytes, quantized_png, read_formulas, split_samples
-from models.formula.synth import FormulaComposer
+from training.formula.data import add_bytes, quantized_png, read_formulas, split_samples
+from training.formula.synth import FormulaComposer
 
 # im2markup's rendering: article at its default 10pt, display math, no page numbers. amssymb is
 # loaded as well since normalized im2latex formulas use its symbols. A glyph

@@ -1,6 +1,6 @@
 """Prompt adherence of an image pipeline on the shapes world, judged from pixels.
 
-    python -m models.image.evaluate --model models/image/default
+    python -m training.image.evaluate --model models/image/default
 
 Generates a fixed set of prompts with fixed seeds through the pipeline's
 defaults (`texel.json`) and prints, for held-out and seen combinations, how
@@ -10,7 +10,7 @@ threads, as the service would. `--url` asks a running Texel for the same images
 through `POST /generate` (the served model's defaults, the same seeds), so the
 figures are those of the service itself:
 
-    python -m models.image.evaluate --url http://127.0.0.1:8000
+    python -m training.image.evaluate --url http://127.0.0.1:8000
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from diffusers import DiffusionPipeline
 
-from models.image import judge, shapes
-from models.image.train import DEFAULTS_FILE
+from models.image.adapter import DEFAULTS_FILE
+from training.image import judge, shapes
 
 SEEDS_PER_PROMPT = 2
 SEEN_PROMPTS = 72
