@@ -33,12 +33,6 @@ class ModelSettings(BaseModel):
     max_queue: int = Field(
         256, ge=1, description="Requests waiting for a batch before new ones get 429."
     )
-    max_linger_ms: float = Field(
-        0.0,
-        ge=0,
-        description="How much longer than max_wait_ms a bucket may wait while requests "
-        "keep arriving (each within max_wait_ms of the last).",
-    )
     max_rejoin_ms: float = Field(
         0.0,
         ge=0,

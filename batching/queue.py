@@ -37,13 +37,6 @@ class BatchPolicy:
     other buckets, and the batch's bucket is the largest key in it. Buckets count
     as full together once they hold `max_batch_size` requests between them.
 
-    `max_linger_s` lets a bucket wait past `max_wait_s` while requests keep
-    arriving (each within `max_wait_s` of the one before), up to `max_wait_s +
-    max_linger_s` in all. Under closed-loop load the answers of one batch return
-    together and their next requests trickle in over a few milliseconds; without
-    lingering, the first arrivals launch a half batch and two half-size cohorts
-    alternate from then on. Once arrivals pause, a bucket launches as before.
-
     `max_rejoin_s` is the wait, counted from the free worker, of a bucket whose oldest
     request queued while every worker was busy, when that should be longer than
     `max_wait_s`: long enough for the finished batch's clients to send their next
@@ -62,7 +55,6 @@ class BatchPolicy:
     max_wait_s: float = 0.01
     max_queue: int = 256
     merge_buckets: bool = False
-    max_linger_s: float = 0.0
     max_rejoin_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -72,8 +64,6 @@ class BatchPolicy:
             raise ValueError("max_wait_s must not be negative")
         if self.max_queue < 1:
             raise ValueError("max_queue must be at least 1")
-        if self.max_linger_s < 0:
-            raise ValueError("max_linger_s must not be negative")
         if self.max_rejoin_s < 0:
             raise ValueError("max_rejoin_s must not be negative")
 
@@ -177,7 +167,6 @@ class BucketQueue:
         self._buckets: OrderedDict[Hashable, deque[Pending]] = OrderedDict()
         self._size = 0
         self._cost = 0.0
-        self._last_arrival = float("-inf")
         # The rejoin window in use: the policy's, or 0 while clients do not come back.
         self.rejoin_s = policy.max_rejoin_s
 
@@ -201,7 +190,6 @@ class BucketQueue:
         if self._size >= self.policy.max_queue:
             raise QueueFull(self._size, retry_after_s)
         self._buckets.setdefault(item.bucket, deque()).append(item)
-        self._last_arrival = max(self._last_arrival, item.enqueued_at)
         self._size += 1
         self._cost += item.cost
 
@@ -266,9 +254,7 @@ class BucketQueue:
         wait = policy.max_wait_s
         if items[0].enqueued_at < free_since:  # it queued behind busy workers
             wait = max(wait, self.rejoin_s)
-        paused = max(self._latest_arrival(items), free_since) + policy.max_wait_s
-        cap = start + wait + policy.max_linger_s
-        launch = max(start + wait, min(paused, cap))
+        launch = start + wait
         if self._queued(items) < expected:
             # Some of the finished batch's clients may still be on their way back.
             launch = max(launch, free_since + self.rejoin_s)
@@ -328,10 +314,6 @@ class BucketQueue:
                 times.append(self._launch_time(items, free_since, expected))
             times.append(min(item.deadline for item in items))
         return min(times, default=None)
-
-    def _latest_arrival(self, items: deque[Pending]) -> float:
-        """When the newest request that could join this bucket's batch arrived."""
-        return self._last_arrival if self.policy.merge_buckets else items[-1].enqueued_at
 
     def _take(self, key: Hashable, count: int) -> list[Pending]:
         """Pop up to `count` requests from one bucket, oldest first."""

@@ -109,8 +109,6 @@ def main() -> None:
                         default=[5.0, 40.0])  # fmt: skip
     parser.add_argument("--wait-ms", type=lambda s: [float(x) for x in s.split(",")],
                         default=[10.0])  # fmt: skip
-    parser.add_argument("--linger-ms", type=lambda s: [float(x) for x in s.split(",")],
-                        default=[0.0])  # fmt: skip
     parser.add_argument("--rejoin-ms", type=lambda s: [float(x) for x in s.split(",")],
                         default=[0.0])  # fmt: skip
     parser.add_argument("--buckets", type=lambda s: [int(x) for x in s.split(",")],
@@ -129,21 +127,18 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=2.0)
     args = parser.parse_args()
-    print("| load | max wait ms | max linger ms | max rejoin ms | requests/s | mean batch "
+    print("| load | max wait ms | max rejoin ms | requests/s | mean batch "
           "| ideal requests/s | p50 ms | p99 ms |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     loads = args.rates or [None]
-    for rate, wait_ms, linger_ms, rejoin_ms in itertools.product(
-        loads, args.wait_ms, args.linger_ms, args.rejoin_ms
-    ):
+    for rate, wait_ms, rejoin_ms in itertools.product(loads, args.wait_ms, args.rejoin_ms):
         policy = BatchPolicy(max_batch_size=args.max_batch, max_wait_s=wait_ms / 1000,
                              max_queue=max(args.concurrency * 2, 1024), merge_buckets=True,
-                             max_linger_s=linger_ms / 1000,
                              max_rejoin_s=rejoin_ms / 1000)  # fmt: skip
         result = asyncio.run(run(policy, args, rate))
         load = f"{args.concurrency} clients" if rate is None else f"poisson {rate:g}/s"
         print(
-            f"| {load} | {wait_ms:g} | {linger_ms:g} | {rejoin_ms:g} "
+            f"| {load} | {wait_ms:g} | {rejoin_ms:g} "
             f"| {result['throughput_rps']} | {result['mean_batch']} | {result['ideal_rps']} "
             f"| {result['p50_ms']} | {result['p99_ms']} |",
             flush=True,

@@ -244,27 +244,6 @@ async def test_while_one_gpu_runs_a_long_batch_the_free_one_takes_the_queue():
     await batcher.close()
 
 
-async def test_answers_of_one_batch_and_requests_queued_behind_it_merge_into_one_batch():
-    """Closed-loop clients: half the clients queue behind a running batch, the other half
-    come back a few ms after their answers. Counting the wait from the free worker (and
-    lingering while they arrive) runs them together instead of alternating halves."""
-    model = FakeModel(delay_s=0.1)
-    batcher = make_batcher(model, max_batch_size=8, max_wait_s=0.03, max_linger_s=0.05)
-
-    async def client(first_delay: float) -> None:
-        await asyncio.sleep(first_delay)
-        for _ in range(3):
-            await batcher.submit(1, bucket="b", timeout_s=5)
-            await asyncio.sleep(0.005)  # HTTP and preprocessing before the next request
-
-    # Four clients start together, four more while their first batch runs.
-    await asyncio.gather(*(client(0.0) for _ in range(4)), *(client(0.05) for _ in range(4)))
-    await batcher.close()
-    sizes = [len(batch) for batch in model.batches]
-    assert sizes[:2] == [4, 8], sizes  # after the first batch, one cohort of eight
-    assert sum(sizes) == 24
-
-
 async def test_a_finished_batchs_clients_that_come_back_one_by_one_run_together_again():
     """As many clients as a batch holds: none queues while it runs, and they come back
     spread over more than `max_wait_s`. The worker waits (up to `max_rejoin_s`) until

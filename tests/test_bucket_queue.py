@@ -73,34 +73,12 @@ def test_merged_buckets_are_full_together():
     assert len(queue.next_batch(now=0.0)) == 3
 
 
-def test_a_bucket_lingers_while_requests_keep_arriving_and_launches_when_they_pause():
-    policy = BatchPolicy(max_batch_size=8, max_wait_s=0.01, max_queue=10, max_linger_s=0.04)
-    queue = BucketQueue(policy)
-    for at in (0.0, 0.006, 0.012):
-        queue.push(pending(64, at=at))
-    assert queue.next_batch(now=0.015) is None  # waited 15 ms, but the last came 3 ms ago
-    wakeup = queue.next_wakeup()
-    assert wakeup == pytest.approx(0.022)  # 10 ms after the last arrival
-    plan = queue.next_batch(now=wakeup)  # arrivals paused for max_wait: launch
-    assert plan is not None and len(plan) == 3
-
-
-def test_lingering_ends_at_max_wait_plus_max_linger_however_busy():
-    policy = BatchPolicy(max_batch_size=100, max_wait_s=0.01, max_queue=100, max_linger_s=0.04)
-    queue = BucketQueue(policy)
-    for i in range(60):
-        queue.push(pending(64, at=i * 0.001))  # one every millisecond
-    assert queue.next_batch(now=0.049) is None
-    wakeup = queue.next_wakeup()
-    assert wakeup == pytest.approx(0.05)
-    assert len(queue.next_batch(now=wakeup)) == 60
-
-
-def test_without_lingering_the_oldest_request_waits_max_wait_only():
+def test_the_oldest_request_waits_max_wait_only_however_many_keep_arriving():
     queue = BucketQueue(BatchPolicy(max_batch_size=8, max_wait_s=0.01, max_queue=10))
-    queue.push(pending(64, at=0.0))
-    queue.push(pending(64, at=0.009))
-    assert len(queue.next_batch(now=0.01)) == 2
+    for at in (0.0, 0.003, 0.006, 0.009):
+        queue.push(pending(64, at=at))
+    assert queue.next_wakeup() == pytest.approx(0.01)
+    assert len(queue.next_batch(now=0.01)) == 4
 
 
 def test_requests_queued_behind_a_busy_worker_wait_max_rejoin_once_it_frees():
@@ -124,22 +102,6 @@ def test_a_request_that_finds_a_worker_idle_waits_max_wait_only():
     queue.push(pending(512, at=2.0))  # the worker has been idle since 1.0
     assert queue.next_wakeup(free_since=1.0) == pytest.approx(2.02)
     assert len(queue.next_batch(now=2.02, free_since=1.0)) == 1
-
-
-def test_the_wait_counts_from_when_a_worker_became_free():
-    """Requests queued behind a busy device wait for company from the moment it frees."""
-    policy = BatchPolicy(max_batch_size=8, max_wait_s=0.01, max_queue=10, max_linger_s=0.04)
-    queue = BucketQueue(policy)
-    for _ in range(4):
-        queue.push(pending(64, at=0.0))  # queued while the device was busy
-    assert queue.next_batch(now=1.0, free_since=1.0) is None  # it just became free
-    assert queue.next_wakeup(free_since=1.0) == pytest.approx(1.01)
-    queue.push(pending(64, at=1.004))  # the last batch's clients come back
-    queue.push(pending(64, at=1.008))
-    assert queue.next_batch(now=1.01, free_since=1.0) is None  # still arriving: linger
-    assert queue.next_wakeup(free_since=1.0) == pytest.approx(1.018)
-    plan = queue.next_batch(now=1.018, free_since=1.0)
-    assert plan is not None and len(plan) == 6
 
 
 def test_a_worker_free_for_long_counts_the_wait_from_arrival():
@@ -229,13 +191,12 @@ def test_retry_after_follows_the_observed_drain_rate():
     max_wait=st.floats(0, 1),
     capacity=st.integers(1, 30),
     merge=st.booleans(),
-    linger=st.sampled_from([0.0, 0.05, 1.0]),
 )
 def test_every_accepted_request_leaves_exactly_once_in_a_valid_batch(
-    arrivals, max_batch, max_wait, capacity, merge, linger
+    arrivals, max_batch, max_wait, capacity, merge
 ):
     """Property: nothing is lost or duplicated; batches respect size and bucket."""
-    policy = BatchPolicy(max_batch, max_wait, capacity, merge_buckets=merge, max_linger_s=linger)
+    policy = BatchPolicy(max_batch, max_wait, capacity, merge_buckets=merge)
     queue = BucketQueue(policy)
     accepted = []
     for i, (bucket, at, timeout) in enumerate(sorted(arrivals, key=lambda a: a[1])):
@@ -276,19 +237,16 @@ def test_next_wakeup_without_an_idle_worker_counts_only_deadlines():
     max_batch=st.integers(2, 30),
     max_wait=st.floats(0, 0.5),
     merge=st.booleans(),
-    linger=st.sampled_from([0.0, 0.05, 1.0]),
     rejoin=st.sampled_from([0.0, 0.1, 0.6]),
     free_since=st.one_of(st.just(-float("inf")), st.floats(0, 3)),
 )
 def test_a_scheduler_woken_at_next_wakeup_finds_a_batch_or_an_expired_request(
-    arrivals, max_batch, max_wait, merge, linger, rejoin, free_since
+    arrivals, max_batch, max_wait, merge, rejoin, free_since
 ):
     """Property: readiness and wake-up times agree, with the wait counted from arrival or
     from a free worker, so a scheduler that sleeps until next_wakeup() neither stalls
     nor spins."""
-    policy = BatchPolicy(
-        max_batch, max_wait, 100, merge_buckets=merge, max_linger_s=linger, max_rejoin_s=rejoin
-    )
+    policy = BatchPolicy(max_batch, max_wait, 100, merge_buckets=merge, max_rejoin_s=rejoin)
     queue = BucketQueue(policy)
     for i, (bucket, at) in enumerate(sorted(arrivals, key=lambda a: a[1])):
         queue.push(Pending(payload=i, bucket=bucket, cost=1, enqueued_at=at, deadline=at + 60))
