@@ -115,7 +115,6 @@ class ServedModel:
             max_wait_s=self.settings.max_wait_ms / 1000,
             max_queue=self.settings.max_queue,
             merge_buckets=self.adapter.merge_buckets,
-            max_rejoin_s=self.settings.max_rejoin_ms / 1000,
         )
         observer = BatchTelemetry(
             self.name, self.adapter.operation, padding_efficiency=self.adapter.padding_efficiency

@@ -33,13 +33,6 @@ class ModelSettings(BaseModel):
     max_queue: int = Field(
         256, ge=1, description="Requests waiting for a batch before new ones get 429."
     )
-    max_rejoin_ms: float = Field(
-        0.0,
-        ge=0,
-        description="How long requests that queued behind a busy worker wait, once it frees, "
-        "for the finished batch's clients to come back (if longer than max_wait_ms); a "
-        "request that finds a worker idle waits max_wait_ms only.",
-    )
 
 
 class FormulaSettings(ModelSettings):
@@ -48,12 +41,6 @@ class FormulaSettings(ModelSettings):
         description="VisionEncoderDecoderModel directory or hub id.",
     )
     max_batch_size: int = Field(16, ge=1, le=1024)
-    max_rejoin_ms: float = Field(
-        25.0,
-        ge=0,
-        description="See ModelSettings. On an H200 with 4 HTTP processes, 25 ms served 623 "
-        "formulas/s at concurrency 256 against 414 with 0 ms (395 against 407 at 128).",
-    )
     bucket_width: int | None = Field(
         None,
         ge=8,
@@ -91,14 +78,6 @@ class ImageSettings(ModelSettings):
     max_batch_size: int = Field(4, ge=1, le=256)
     max_wait_ms: float = Field(20.0, ge=0)
     max_queue: int = Field(64, ge=1)
-    max_rejoin_ms: float = Field(
-        250.0,
-        ge=0,
-        description="See ModelSettings. An image batch takes from a few hundred ms to "
-        "seconds, and its clients need up to a hundred ms or more to receive their PNGs "
-        "and ask again. On an H200, SD-1.5 size, 8 clients: 250 ms kept every batch full "
-        "(6.04 images/s, 91% of the pipeline alone), 100 ms did not (mean 6.9, 5.18/s).",
-    )
     max_steps: int = Field(100, ge=1, description="Largest num_inference_steps accepted.")
     max_side: int = Field(1024, ge=8, description="Largest width or height accepted.")
     compile: Literal["off", "batch", "dynamic"] = Field(

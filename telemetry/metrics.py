@@ -70,13 +70,6 @@ QUEUE_DEPTH = Gauge(
     ["model"],
     registry=REGISTRY,
 )
-CLIENTS_RETURNING = Gauge(
-    "texel_clients_returning_ratio",
-    "Share of a finished batch's requests followed by another within the rejoin window, "
-    "averaged over recent batches; below 0.5 no batch waits for returning clients.",
-    ["model"],
-    registry=REGISTRY,
-)
 INFLIGHT = Gauge(
     "texel_inflight_requests",
     "Requests being handled right now, by route.",

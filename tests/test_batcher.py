@@ -244,33 +244,6 @@ async def test_while_one_gpu_runs_a_long_batch_the_free_one_takes_the_queue():
     await batcher.close()
 
 
-async def test_a_finished_batchs_clients_that_come_back_one_by_one_run_together_again():
-    """As many clients as a batch holds: none queues while it runs, and they come back
-    spread over more than `max_wait_s`. The worker waits (up to `max_rejoin_s`) until
-    as many are back as its batch held, instead of launching the first ones alone."""
-    model = FakeModel(delay_s=0.1)
-    batcher = make_batcher(model, max_batch_size=4, max_wait_s=0.01, max_rejoin_s=0.5)
-
-    async def client(return_s: float) -> None:
-        for _ in range(3):
-            await batcher.submit(1, bucket="b", timeout_s=5)
-            await asyncio.sleep(return_s)  # taking the answer, preparing the next request
-
-    await asyncio.gather(*(client(return_s) for return_s in (0.0, 0.04, 0.08, 0.12)))
-    await batcher.close()
-    assert [len(batch) for batch in model.batches] == [4, 4, 4]
-
-
-async def test_a_lone_user_waits_for_no_company_once_their_batch_is_back():
-    model = FakeModel()
-    batcher = make_batcher(model, max_batch_size=4, max_wait_s=0.3, max_rejoin_s=1.0)
-    await batcher.submit(1, bucket="b", timeout_s=5)  # the first waits max_wait_s
-    started = time.monotonic()
-    await batcher.submit(2, bucket="b", timeout_s=5)
-    assert time.monotonic() - started < 0.2, "their batch of one is back: it runs at once"
-    await batcher.close()
-
-
 async def test_the_scheduler_sleeps_while_every_worker_is_busy():
     """Ready buckets with no idle worker must not spin the event loop (it starves compute)."""
     model = FakeModel(delay_s=0.6)
@@ -283,48 +256,3 @@ async def test_the_scheduler_sleeps_while_every_worker_is_busy():
     for task in tasks:
         task.cancel()
     await batcher.close()
-
-
-async def test_requests_of_independent_users_stop_waiting_for_clients_that_never_return():
-    """A request that arrives while a batch runs waits, once the worker frees, up to
-    `max_rejoin_s` for that batch's clients to come back. When they never do (users
-    arriving at random, not clients sending their next request), the batcher stops
-    waiting for them: here after two batches whose windows saw no returns."""
-    model = FakeModel(delay_s=0.3)
-    batcher = make_batcher(model, max_batch_size=4, max_wait_s=0.01, max_rejoin_s=0.4)
-    waits = []
-    for _ in range(4):
-        first = asyncio.create_task(batcher.submit(1, bucket="b", timeout_s=5))
-        await asyncio.sleep(0.1)  # another user, while the first one's batch runs
-        second = await batcher.submit(2, bucket="b", timeout_s=5)
-        await first
-        waits.append(second.queue_wait_s)
-        await asyncio.sleep(0.5)  # nobody comes back within the window
-    await batcher.close()
-    assert waits[0] >= 0.5, waits  # the window is used at first: 0.2 s of batch + 0.4 s
-    assert all(wait < 0.35 for wait in waits[2:]), waits  # then only the batch ahead
-
-
-async def test_clients_that_start_coming_back_turn_the_wait_on_again():
-    """After traffic that never returned turned the rejoin wait off, closed-loop clients
-    coming back spread over more than `max_wait_s` turn it on again: their batches fill."""
-    model = FakeModel(delay_s=0.1)
-    batcher = make_batcher(model, max_batch_size=4, max_wait_s=0.01, max_rejoin_s=0.5)
-    for _ in range(3):  # lone requests, none back within the window after its batch
-        await batcher.submit(0, bucket="b", timeout_s=5)
-        await asyncio.sleep(0.6)
-    model.batches.clear()
-
-    stop_at = time.monotonic() + 2.0
-
-    async def client(return_s: float) -> None:
-        while time.monotonic() < stop_at:
-            await batcher.submit(1, bucket="b", timeout_s=5)
-            await asyncio.sleep(return_s)
-
-    await asyncio.gather(*(client(return_s) for return_s in (0.0, 0.04, 0.08, 0.12)))
-    await batcher.close()
-    sizes = [len(batch) for batch in model.batches]
-    # Part batches while the wait is off; full ones once it is on (the last may be
-    # short: the clients stop at different moments).
-    assert min(sizes[:3]) < 4 and sizes[-4:-1] == [4, 4, 4], sizes
