@@ -425,7 +425,6 @@ def build_models(
             max_new_tokens=f.max_new_tokens,
             max_pixels=settings.max_image_pixels,
             decoder=f.decoder,
-            merge_buckets=f.merge_buckets,
             continuous=f.continuous,
         )
         served["formula"] = served_class(

@@ -48,11 +48,6 @@ class FormulaSettings(ModelSettings):
         "on GPUs (each width group joining a running decode costs an encoder call), 64 on "
         "a CPU (padding costs compute).",
     )
-    merge_buckets: bool = Field(
-        True,
-        description="Top a batch up from other width buckets: decoding costs per batch, "
-        "not per padded pixel, so one fuller batch beats several small ones.",
-    )
     num_beams: int = Field(1, ge=1, le=16, description="1 is greedy decoding.")
     decoder: Literal["auto", "static", "generate"] = Field(
         "auto",

@@ -107,7 +107,6 @@ class FormulaRecognizer:
         max_new_tokens: int | None = None,
         max_pixels: int = 16_000_000,
         decoder: str = "auto",
-        merge_buckets: bool = True,
         continuous: bool = True,
     ) -> None:
         self.source = source
@@ -119,7 +118,6 @@ class FormulaRecognizer:
         self.max_new_tokens = max_new_tokens
         self.max_pixels = max_pixels
         self.decoder_setting = decoder
-        self.merge_setting = merge_buckets
         self.continuous = continuous
         self.spec: FormulaImageSpec | None = None
         self.tokenizer = None
@@ -230,7 +228,6 @@ class FormulaRecognizer:
             "max_new_tokens": self.max_new_tokens,
             "max_pixels": self.max_pixels,
             "decoder": self.decoder_setting,
-            "merge_buckets": self.merge_setting,
             "continuous": self.continuous,
         }
         return functools.partial(
@@ -247,10 +244,11 @@ class FormulaRecognizer:
 
     @property
     def merge_buckets(self) -> bool:
-        """Merge width buckets only where every device decodes rows independently of
-        their padding (the static decoder); `generate()` would see the wider padding."""
-        static = [self.uses_static_decoder(device) for device in self.devices]
-        return self.merge_setting and all(static)
+        """Merge width buckets exactly where every device decodes rows independently of
+        their padding (the static decoder): decoding costs per batch, not per padded pixel,
+        so one fuller batch beats several small ones; `generate()` would see the wider
+        padding."""
+        return all(self.uses_static_decoder(device) for device in self.devices)
 
     def uses_static_decoder(self, device: torch.device) -> bool:
         """Whether batches on `device` run Texel's static decoder (else `generate()`)."""
