@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -331,21 +332,30 @@ class Batcher:
         self._wakeup.set()
 
     async def _schedule(self) -> None:
+        due = -math.inf
         while not self._stopping:
             self._wakeup.clear()
             try:
-                self._plan_batches()
+                self._plan_batches(due)
             except Exception:  # a bug here must not silently stall every request
                 log.exception("batcher %s: scheduling step failed", self.name)
             # With every worker busy only deadlines matter: a finishing batch wakes us.
             wakeup = self._queue.next_wakeup(include_wait=bool(self._idle))
             timeout = None if wakeup is None else max(0.0, wakeup - self._clock())
-            with contextlib.suppress(TimeoutError):
+            try:
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
+                due = -math.inf
+            except TimeoutError:
+                # The event loop runs a timer up to its clock's resolution early, so the
+                # clock may still read a hair before `wakeup`: that moment has come all the
+                # same. Else the next sleep would be shorter than the resolution, and on a
+                # loop whose time stands still while it runs (a virtual clock) endless.
+                due = wakeup
 
-    def _plan_batches(self) -> None:
+    def _plan_batches(self, due: float = -math.inf) -> None:
+        """One scheduling step; `due`: a time the clock is known to have reached."""
         self.scheduling_steps += 1
-        now = self._clock()
+        now = max(self._clock(), due)
         for item in self._queue.expire(now):
             self._fail(item, DeadlineExceeded("the request waited past its deadline"), "deadline")
         # Idle workers first: a device with nothing queued on it is the least loaded.
