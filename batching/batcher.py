@@ -38,7 +38,6 @@ from batching.queue import (
     BucketQueue,
     DrainRate,
     Pending,
-    ReturnRate,
     State,
 )
 from batching.stream import Feed, Joined, StreamRunner
@@ -121,11 +120,6 @@ class BatchObserver(Protocol):
 
     def rejected(self, batcher: str, reason: str) -> None: ...
 
-    def returns(self, batcher: str, ratio: float) -> None:
-        """The share of finished batches' clients back within the rejoin window changed
-        (`ReturnRate.ratio`)."""
-        ...
-
 
 class _NullObserver:
     @contextlib.contextmanager
@@ -142,9 +136,6 @@ class _NullObserver:
         pass
 
     def rejected(self, batcher: str, reason: str) -> None:
-        pass
-
-    def returns(self, batcher: str, ratio: float) -> None:
         pass
 
 
@@ -193,16 +184,6 @@ class Batcher:
         self._queue = BucketQueue(policy)
         self._drain_rate = DrainRate()
         self._idle: list[Worker] = list(reversed(self._workers))
-        # When each idle worker became free: a bucket's wait counts from then at the
-        # earliest (BatchPolicy). Never busy yet: free since forever.
-        self._free_since: dict[str, float] = {w.name: -math.inf for w in self._workers}
-        # How many requests each idle worker's last batch held: their clients may be on
-        # their way back (BatchPolicy.max_rejoin_s). A stream's count is 0.
-        self._returning: dict[str, int] = {w.name: 0 for w in self._workers}
-        # Whether they do come back: while not, no rejoin wait (BucketQueue.rejoin_s).
-        self._returns = ReturnRate(policy.max_rejoin_s)
-        if policy.max_rejoin_s:
-            self._observer.returns(name, self._returns.ratio)
         self._executors: dict[str, Executor] = {}
         self._owned: list[ThreadPoolExecutor] = []
         for w in self._workers:
@@ -309,7 +290,6 @@ class Batcher:
         except Exception:
             self._observer.rejected(self.name, "queue_full")
             raise
-        self._returns.arrival(now)
         self._observer.queue_depth(self.name, len(self._queue))
         self._wake()
         try:
@@ -352,45 +332,37 @@ class Batcher:
         self._wakeup.set()
 
     async def _schedule(self) -> None:
+        due = -math.inf
         while not self._stopping:
             self._wakeup.clear()
             try:
-                self._plan_batches()
+                self._plan_batches(due)
             except Exception:  # a bug here must not silently stall every request
                 log.exception("batcher %s: scheduling step failed", self.name)
             # With every worker busy only deadlines matter: a finishing batch wakes us.
-            wakeup = self._queue.next_wakeup(bool(self._idle), self._idle_since(), self._awaited())
-            # And when a rejoin window ends, to count who came back in it.
-            close = self._returns.next_close()
-            if close is not None:
-                wakeup = close if wakeup is None else min(wakeup, close)
+            wakeup = self._queue.next_wakeup(include_wait=bool(self._idle))
             timeout = None if wakeup is None else max(0.0, wakeup - self._clock())
-            with contextlib.suppress(TimeoutError):
+            try:
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
+                due = -math.inf
+            except TimeoutError:
+                # The event loop runs a timer up to its clock's resolution early, so the
+                # clock may still read a hair before `wakeup`: that moment has come all the
+                # same. Else the next sleep would be shorter than the resolution, and on a
+                # loop whose time stands still while it runs (a virtual clock) endless.
+                due = wakeup
 
-    def _plan_batches(self) -> None:
+    def _plan_batches(self, due: float = -math.inf) -> None:
+        """One scheduling step; `due`: a time the clock is known to have reached."""
         self.scheduling_steps += 1
-        now = self._clock()
-        ratio = self._returns.ratio
-        if self._returns.update(now):
-            returning = self._returns.returning
-            self._queue.rejoin_s = self.policy.max_rejoin_s if returning else 0.0
-            log.info(
-                "batcher %s: finished batches' clients %s; %s for them (up to %g ms)",
-                self.name,
-                "come back" if returning else "do not come back",
-                "waiting" if returning else "not waiting",
-                self.policy.max_rejoin_s * 1000,
-            )
-        if self._returns.ratio != ratio:
-            self._observer.returns(self.name, self._returns.ratio)
+        now = max(self._clock(), due)
         for item in self._queue.expire(now):
             self._fail(item, DeadlineExceeded("the request waited past its deadline"), "deadline")
         # Idle workers first: a device with nothing queued on it is the least loaded.
         while self._idle:
             # A stream takes company at every check, so waiting for it buys nothing.
             at_once = self._draining or self._idle[-1].stream is not None
-            plan = self._queue.next_batch(now, at_once, self._idle_since(), self._awaited())
+            plan = self._queue.next_batch(now, flush=at_once)
             if plan is None:
                 break
             self._launch(self._idle.pop(), plan)
@@ -398,14 +370,6 @@ class Batcher:
         self._observer.queue_depth(self.name, len(self._queue))
         if not self._queue and not self._inflight:
             self._idle_event.set()
-
-    def _idle_since(self) -> float:
-        """Since when the longest-idle worker has been free (+inf with none idle)."""
-        return min((self._free_since[w.name] for w in self._idle), default=math.inf)
-
-    def _awaited(self) -> int:
-        """How many requests the batch of the next worker to launch held (0: none idle)."""
-        return self._returning[self._idle[-1].name] if self._idle else 0
 
     def _launch(self, worker: Worker, plan: BatchPlan) -> None:
         self._idle_event.clear()
@@ -433,14 +397,11 @@ class Batcher:
             item.state = State.DONE
             if not item.future.done():
                 item.future.set_result(outcome)
-        self._worker_free(worker, returning=len(plan.items))
+        self._worker_free(worker)
 
-    def _worker_free(self, worker: Worker, returning: int = 0) -> None:
-        """A worker's batch (of `returning` requests) or stream is over: it takes the next."""
+    def _worker_free(self, worker: Worker) -> None:
+        """A worker's batch or stream is over: it takes the next."""
         self._inflight -= 1
-        self._free_since[worker.name] = self._clock()
-        self._returning[worker.name] = returning
-        self._returns.freed(self._free_since[worker.name], returning)
         self._idle.append(worker)
         self._wake()
 

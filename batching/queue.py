@@ -23,47 +23,20 @@ class BatchPolicy:
     """When a bucket becomes a batch.
 
     A bucket launches once it holds `max_batch_size` requests or its oldest
-    request has waited `max_wait_s`; at most `max_queue` requests wait in all.
-    The wait counts from when a request could first have run: its arrival, or,
-    if every worker was busy then, the moment one became free. Under load a
-    batch's answers go back together and their clients' next requests arrive
-    over the next milliseconds; counting from the free worker lets them join the
-    requests already waiting, where counting from arrival would launch those at
-    once and leave two half-size cohorts alternating on the device for good.
+    request has waited `max_wait_s` since its arrival; at most `max_queue` requests
+    wait in all.
 
     `merge_buckets` is for models whose batch cost is mostly per batch, not per
     padded element (a launch-bound decoder): bucket keys are then numbers (a
     padded width), a launching batch that has room is topped up from the nearest
     other buckets, and the batch's bucket is the largest key in it. Buckets count
     as full together once they hold `max_batch_size` requests between them.
-
-    `max_linger_s` lets a bucket wait past `max_wait_s` while requests keep
-    arriving (each within `max_wait_s` of the one before), up to `max_wait_s +
-    max_linger_s` in all. Under closed-loop load the answers of one batch return
-    together and their next requests trickle in over a few milliseconds; without
-    lingering, the first arrivals launch a half batch and two half-size cohorts
-    alternate from then on. Once arrivals pause, a bucket launches as before.
-
-    `max_rejoin_s` is the wait, counted from the free worker, of a bucket whose oldest
-    request queued while every worker was busy, when that should be longer than
-    `max_wait_s`: long enough for the finished batch's clients to send their next
-    requests (for a model whose batch takes a second, some tens of milliseconds of
-    HTTP and encoding). The same window lets a worker that just finished a batch of
-    `k` requests wait for `k` to be queued again (`awaited`): with as many clients as
-    the batch holds, none queues while it runs, and without it the first clients back
-    would launch a part batch and the rest the next, two cohorts for good. It launches
-    as soon as they are back, so a lone user (a batch of one) waits for nothing, not
-    even `max_wait_s`. Both waits are for clients that come back; when a batch's
-    clients stop coming back within the window (independent users, arriving at
-    random), the batcher stops waiting for them (`ReturnRate`).
     """
 
     max_batch_size: int = 8
     max_wait_s: float = 0.01
     max_queue: int = 256
     merge_buckets: bool = False
-    max_linger_s: float = 0.0
-    max_rejoin_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -72,64 +45,6 @@ class BatchPolicy:
             raise ValueError("max_wait_s must not be negative")
         if self.max_queue < 1:
             raise ValueError("max_queue must be at least 1")
-        if self.max_linger_s < 0:
-            raise ValueError("max_linger_s must not be negative")
-        if self.max_rejoin_s < 0:
-            raise ValueError("max_rejoin_s must not be negative")
-
-
-class ReturnRate:
-    """Whether the clients of finished batches come back within the rejoin window.
-
-    For each finished batch of `k` requests it counts the arrivals in the `window_s`
-    after it and averages `min(1, arrivals / k)` over recent batches (exponentially,
-    weight `smoothing`). Closed-loop clients, each sending its next request once its
-    answer is in, give the share of them back within the window: about 1 when the
-    window covers their spread. Independent users arriving at random at a rate r fill
-    batches of about r times the batch's duration T, and r times the window W arrive
-    in it: about W / T, under a half for any window shorter than half a batch (images:
-    250 ms against about a second). While the average is below `threshold` the
-    batcher does not wait for returns at all; it counts on, so clients that start
-    coming back turn the wait on again within a few batches. It starts at 1
-    (waiting), the closed loop being where waiting matters.
-    """
-
-    def __init__(self, window_s: float, threshold: float = 0.5, smoothing: float = 0.3):
-        self.window_s = window_s
-        self.threshold = threshold
-        self.smoothing = smoothing
-        self.ratio = 1.0
-        self._open: deque[tuple[float, int]] = deque()  # (freed at, batch size)
-        self._arrivals: deque[float] = deque()  # since the oldest open window began
-
-    @property
-    def returning(self) -> bool:
-        return self.ratio >= self.threshold
-
-    def freed(self, now: float, size: int) -> None:
-        """A batch of `size` requests finished at `now` (a stream's size is 0: none)."""
-        if size and self.window_s:
-            self._open.append((now, size))
-
-    def next_close(self) -> float | None:
-        """When the oldest open window ends (None: none is open)."""
-        return self._open[0][0] + self.window_s if self._open else None
-
-    def arrival(self, now: float) -> None:
-        if self._open:
-            self._arrivals.append(now)
-
-    def update(self, now: float) -> bool:
-        """Close the windows that have ended; True if `returning` changed."""
-        before = self.returning
-        while self._open and now >= self._open[0][0] + self.window_s:
-            start, size = self._open.popleft()
-            back = sum(1 for t in self._arrivals if start <= t < start + self.window_s)
-            self.ratio += self.smoothing * (min(1.0, back / size) - self.ratio)
-        oldest = self._open[0][0] if self._open else math.inf
-        while self._arrivals and self._arrivals[0] < oldest:
-            self._arrivals.popleft()
-        return self.returning != before
 
 
 class State(enum.Enum):
@@ -177,9 +92,6 @@ class BucketQueue:
         self._buckets: OrderedDict[Hashable, deque[Pending]] = OrderedDict()
         self._size = 0
         self._cost = 0.0
-        self._last_arrival = float("-inf")
-        # The rejoin window in use: the policy's, or 0 while clients do not come back.
-        self.rejoin_s = policy.max_rejoin_s
 
     def __len__(self) -> int:
         return self._size
@@ -201,7 +113,6 @@ class BucketQueue:
         if self._size >= self.policy.max_queue:
             raise QueueFull(self._size, retry_after_s)
         self._buckets.setdefault(item.bucket, deque()).append(item)
-        self._last_arrival = max(self._last_arrival, item.enqueued_at)
         self._size += 1
         self._cost += item.cost
 
@@ -223,69 +134,31 @@ class BucketQueue:
             self.remove(item)
         return expired
 
-    def is_ready(
-        self,
-        bucket: Hashable,
-        now: float,
-        flush: bool = False,
-        free_since: float = -math.inf,
-        awaited: int = 0,
-    ) -> bool:
-        """Whether `bucket` launches now; `free_since`: since when a worker has been idle,
-        `awaited`: how many requests the batch it finished held (BatchPolicy)."""
+    def is_ready(self, bucket: Hashable, now: float, flush: bool = False) -> bool:
+        """Whether `bucket` launches now (BatchPolicy)."""
         items = self._buckets.get(bucket)
         if not items:
             return False
-        queued = self._queued(items)
-        if flush or queued >= self.policy.max_batch_size:
+        if flush or self._queued(items) >= self.policy.max_batch_size:
             return True
-        expected = self._expected(items, free_since, awaited)
-        if expected and queued >= expected:
-            return True  # the finished batch's clients are back
-        return now >= self._launch_time(items, free_since, expected)
+        return now >= self._launch_time(items)
 
     def _queued(self, items: deque[Pending]) -> int:
         """How many requests a batch launched from this bucket could take now."""
         return self._size if self.policy.merge_buckets else len(items)
 
-    def _expected(self, items: deque[Pending], free_since: float, awaited: int) -> int:
-        """How many requests this bucket's batch may hold once the `awaited` clients of
-        the finished batch are back: those that queued behind it, plus them (0: none are
-        awaited, or the policy has no rejoin window to wait in)."""
-        if not awaited or not self.rejoin_s:
-            return 0
-        queues = self._buckets.values() if self.policy.merge_buckets else [items]
-        behind = sum(1 for q in queues for item in q if item.enqueued_at < free_since)
-        return min(self.policy.max_batch_size, behind + awaited)
+    def _launch_time(self, items: deque[Pending]) -> float:
+        """When a bucket that does not fill up launches (is_ready and next_wakeup agree)."""
+        return items[0].enqueued_at + self.policy.max_wait_s
 
-    def _launch_time(self, items: deque[Pending], free_since: float, expected: int = 0) -> float:
-        """When a bucket that does not fill up launches (is_ready and next_wakeup agree);
-        `expected`: as `_expected` gives it."""
-        policy = self.policy
-        start = max(items[0].enqueued_at, free_since)
-        wait = policy.max_wait_s
-        if items[0].enqueued_at < free_since:  # it queued behind busy workers
-            wait = max(wait, self.rejoin_s)
-        paused = max(self._latest_arrival(items), free_since) + policy.max_wait_s
-        cap = start + wait + policy.max_linger_s
-        launch = max(start + wait, min(paused, cap))
-        if self._queued(items) < expected:
-            # Some of the finished batch's clients may still be on their way back.
-            launch = max(launch, free_since + self.rejoin_s)
-        return launch
-
-    def next_batch(
-        self, now: float, flush: bool = False, free_since: float = -math.inf, awaited: int = 0
-    ) -> BatchPlan | None:
+    def next_batch(self, now: float, flush: bool = False) -> BatchPlan | None:
         """Pop the next batch, or None if no bucket is ready.
 
         Among ready buckets the one holding the earliest deadline goes first, so
         a rare shape is not starved by a busy one. `flush` (used while draining)
         makes every non-empty bucket ready.
         """
-        ready = [
-            key for key in self._buckets if self.is_ready(key, now, flush, free_since, awaited)
-        ]
+        ready = [key for key in self._buckets if self.is_ready(key, now, flush)]
         if not ready:
             return None
         key = min(ready, key=lambda k: min(item.deadline for item in self._buckets[k]))
@@ -313,9 +186,7 @@ class BucketQueue:
             self._size += 1
             self._cost += item.cost
 
-    def next_wakeup(
-        self, include_wait: bool = True, free_since: float = -math.inf, awaited: int = 0
-    ) -> float | None:
+    def next_wakeup(self, include_wait: bool = True) -> float | None:
         """The earliest time at which a bucket's wait runs out or a deadline passes.
 
         Without `include_wait` only deadlines count: a scheduler with no idle worker
@@ -324,14 +195,9 @@ class BucketQueue:
         times = []
         for items in self._buckets.values():
             if include_wait:
-                expected = self._expected(items, free_since, awaited)
-                times.append(self._launch_time(items, free_since, expected))
+                times.append(self._launch_time(items))
             times.append(min(item.deadline for item in items))
         return min(times, default=None)
-
-    def _latest_arrival(self, items: deque[Pending]) -> float:
-        """When the newest request that could join this bucket's batch arrived."""
-        return self._last_arrival if self.policy.merge_buckets else items[-1].enqueued_at
 
     def _take(self, key: Hashable, count: int) -> list[Pending]:
         """Pop up to `count` requests from one bucket, oldest first."""

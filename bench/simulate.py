@@ -12,9 +12,8 @@ when answers come back together, which a 2-core machine cannot show with real
 servers at GPU rates. Prints throughput, the mean batch size and the latency per policy.
 
 With `--rates`, requests arrive open-loop instead, as a Poisson process of each rate
-(many independent users), which is where waiting for a finished batch's clients
-(`--rejoin-ms`) can cost latency: none of them is coming back. `--item-ms` adds a cost
-per request to each batch (an image pipeline's batch of 8 costs more than one of 1).
+(many independent users). `--item-ms` adds a cost per request to each batch (an image
+pipeline's batch of 8 costs more than one of 1).
 """
 
 from __future__ import annotations
@@ -84,7 +83,7 @@ async def run(policy: BatchPolicy, args, rate: float | None = None) -> dict:
         ideal = rate
     await batcher.close()
     # Closed loop: the answers within the measured span. Open loop: the requests sent in
-    # it (all of them are answered: the arrivals stop and their answers are awaited).
+    # it (all of them are answered: the arrivals stop and wait for their answers).
     measured = [
         (sent, answered)
         for sent, answered in requests
@@ -109,10 +108,6 @@ def main() -> None:
                         default=[5.0, 40.0])  # fmt: skip
     parser.add_argument("--wait-ms", type=lambda s: [float(x) for x in s.split(",")],
                         default=[10.0])  # fmt: skip
-    parser.add_argument("--linger-ms", type=lambda s: [float(x) for x in s.split(",")],
-                        default=[0.0])  # fmt: skip
-    parser.add_argument("--rejoin-ms", type=lambda s: [float(x) for x in s.split(",")],
-                        default=[0.0])  # fmt: skip
     parser.add_argument("--buckets", type=lambda s: [int(x) for x in s.split(",")],
                         default=[256, 320, 384, 448])  # fmt: skip
     parser.add_argument(
@@ -129,21 +124,20 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=2.0)
     args = parser.parse_args()
-    print("| load | max wait ms | max linger ms | max rejoin ms | requests/s | mean batch "
-          "| ideal requests/s | p50 ms | p99 ms |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| load | max wait ms | requests/s | mean batch | ideal requests/s | p50 ms | p99 ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     loads = args.rates or [None]
-    for rate, wait_ms, linger_ms, rejoin_ms in itertools.product(
-        loads, args.wait_ms, args.linger_ms, args.rejoin_ms
-    ):
-        policy = BatchPolicy(max_batch_size=args.max_batch, max_wait_s=wait_ms / 1000,
-                             max_queue=max(args.concurrency * 2, 1024), merge_buckets=True,
-                             max_linger_s=linger_ms / 1000,
-                             max_rejoin_s=rejoin_ms / 1000)  # fmt: skip
+    for rate, wait_ms in itertools.product(loads, args.wait_ms):
+        policy = BatchPolicy(
+            max_batch_size=args.max_batch,
+            max_wait_s=wait_ms / 1000,
+            max_queue=max(args.concurrency * 2, 1024),
+            merge_buckets=True,
+        )
         result = asyncio.run(run(policy, args, rate))
         load = f"{args.concurrency} clients" if rate is None else f"poisson {rate:g}/s"
         print(
-            f"| {load} | {wait_ms:g} | {linger_ms:g} | {rejoin_ms:g} "
+            f"| {load} | {wait_ms:g} "
             f"| {result['throughput_rps']} | {result['mean_batch']} | {result['ideal_rps']} "
             f"| {result['p50_ms']} | {result['p99_ms']} |",
             flush=True,

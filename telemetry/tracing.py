@@ -255,6 +255,3 @@ class BatchTelemetry:
 
     def rejected(self, batcher: str, reason: str) -> None:
         metrics.REJECTED.labels(self.model, reason).inc()
-
-    def returns(self, batcher: str, ratio: float) -> None:
-        metrics.CLIENTS_RETURNING.labels(self.model).set(ratio)

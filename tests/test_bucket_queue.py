@@ -7,7 +7,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batching import BatchPolicy, BucketQueue, DrainRate, Pending, QueueFull
-from batching.queue import ReturnRate
 
 
 def pending(bucket, at: float, timeout: float = 10.0, name: str = "") -> Pending:
@@ -73,80 +72,12 @@ def test_merged_buckets_are_full_together():
     assert len(queue.next_batch(now=0.0)) == 3
 
 
-def test_a_bucket_lingers_while_requests_keep_arriving_and_launches_when_they_pause():
-    policy = BatchPolicy(max_batch_size=8, max_wait_s=0.01, max_queue=10, max_linger_s=0.04)
-    queue = BucketQueue(policy)
-    for at in (0.0, 0.006, 0.012):
+def test_the_oldest_request_waits_max_wait_only_however_many_keep_arriving():
+    queue = BucketQueue(BatchPolicy(max_batch_size=8, max_wait_s=0.01, max_queue=10))
+    for at in (0.0, 0.003, 0.006, 0.009):
         queue.push(pending(64, at=at))
-    assert queue.next_batch(now=0.015) is None  # waited 15 ms, but the last came 3 ms ago
-    wakeup = queue.next_wakeup()
-    assert wakeup == pytest.approx(0.022)  # 10 ms after the last arrival
-    plan = queue.next_batch(now=wakeup)  # arrivals paused for max_wait: launch
-    assert plan is not None and len(plan) == 3
-
-
-def test_lingering_ends_at_max_wait_plus_max_linger_however_busy():
-    policy = BatchPolicy(max_batch_size=100, max_wait_s=0.01, max_queue=100, max_linger_s=0.04)
-    queue = BucketQueue(policy)
-    for i in range(60):
-        queue.push(pending(64, at=i * 0.001))  # one every millisecond
-    assert queue.next_batch(now=0.049) is None
-    wakeup = queue.next_wakeup()
-    assert wakeup == pytest.approx(0.05)
-    assert len(queue.next_batch(now=wakeup)) == 60
-
-
-def test_without_lingering_the_oldest_request_waits_max_wait_only():
-    queue = BucketQueue(BatchPolicy(max_batch_size=8, max_wait_s=0.01, max_queue=10))
-    queue.push(pending(64, at=0.0))
-    queue.push(pending(64, at=0.009))
-    assert len(queue.next_batch(now=0.01)) == 2
-
-
-def test_requests_queued_behind_a_busy_worker_wait_max_rejoin_once_it_frees():
-    """Long batches: the finished batch's clients need tens of ms to come back."""
-    policy = BatchPolicy(max_batch_size=8, max_wait_s=0.02, max_queue=10, max_rejoin_s=0.1)
-    queue = BucketQueue(policy)
-    for _ in range(4):
-        queue.push(pending(512, at=0.5))  # queued while the device ran a batch
-    assert queue.next_batch(now=1.05, free_since=1.0) is None  # past max_wait, not rejoin
-    assert queue.next_wakeup(free_since=1.0) == pytest.approx(1.1)
-    for at in (1.03, 1.06, 1.08):  # the last batch's clients come back
-        queue.push(pending(512, at=at))
-    assert queue.next_batch(now=1.09, free_since=1.0) is None
-    plan = queue.next_batch(now=1.1, free_since=1.0)
-    assert plan is not None and len(plan) == 7
-
-
-def test_a_request_that_finds_a_worker_idle_waits_max_wait_only():
-    policy = BatchPolicy(max_batch_size=8, max_wait_s=0.02, max_queue=10, max_rejoin_s=0.1)
-    queue = BucketQueue(policy)
-    queue.push(pending(512, at=2.0))  # the worker has been idle since 1.0
-    assert queue.next_wakeup(free_since=1.0) == pytest.approx(2.02)
-    assert len(queue.next_batch(now=2.02, free_since=1.0)) == 1
-
-
-def test_the_wait_counts_from_when_a_worker_became_free():
-    """Requests queued behind a busy device wait for company from the moment it frees."""
-    policy = BatchPolicy(max_batch_size=8, max_wait_s=0.01, max_queue=10, max_linger_s=0.04)
-    queue = BucketQueue(policy)
-    for _ in range(4):
-        queue.push(pending(64, at=0.0))  # queued while the device was busy
-    assert queue.next_batch(now=1.0, free_since=1.0) is None  # it just became free
-    assert queue.next_wakeup(free_since=1.0) == pytest.approx(1.01)
-    queue.push(pending(64, at=1.004))  # the last batch's clients come back
-    queue.push(pending(64, at=1.008))
-    assert queue.next_batch(now=1.01, free_since=1.0) is None  # still arriving: linger
-    assert queue.next_wakeup(free_since=1.0) == pytest.approx(1.018)
-    plan = queue.next_batch(now=1.018, free_since=1.0)
-    assert plan is not None and len(plan) == 6
-
-
-def test_a_worker_free_for_long_counts_the_wait_from_arrival():
-    queue = BucketQueue(BatchPolicy(max_batch_size=8, max_wait_s=0.01, max_queue=10))
-    queue.push(pending(64, at=5.0))
-    assert queue.next_batch(now=5.009, free_since=1.0) is None
-    assert len(queue.next_batch(now=5.01, free_since=1.0)) == 1
+    assert queue.next_wakeup() == pytest.approx(0.01)
+    assert len(queue.next_batch(now=0.01)) == 4
 
 
 def test_among_ready_buckets_the_earliest_deadline_goes_first():
@@ -229,13 +160,12 @@ def test_retry_after_follows_the_observed_drain_rate():
     max_wait=st.floats(0, 1),
     capacity=st.integers(1, 30),
     merge=st.booleans(),
-    linger=st.sampled_from([0.0, 0.05, 1.0]),
 )
 def test_every_accepted_request_leaves_exactly_once_in_a_valid_batch(
-    arrivals, max_batch, max_wait, capacity, merge, linger
+    arrivals, max_batch, max_wait, capacity, merge
 ):
     """Property: nothing is lost or duplicated; batches respect size and bucket."""
-    policy = BatchPolicy(max_batch, max_wait, capacity, merge_buckets=merge, max_linger_s=linger)
+    policy = BatchPolicy(max_batch, max_wait, capacity, merge_buckets=merge)
     queue = BucketQueue(policy)
     accepted = []
     for i, (bucket, at, timeout) in enumerate(sorted(arrivals, key=lambda a: a[1])):
@@ -276,40 +206,20 @@ def test_next_wakeup_without_an_idle_worker_counts_only_deadlines():
     max_batch=st.integers(2, 30),
     max_wait=st.floats(0, 0.5),
     merge=st.booleans(),
-    linger=st.sampled_from([0.0, 0.05, 1.0]),
-    rejoin=st.sampled_from([0.0, 0.1, 0.6]),
-    free_since=st.one_of(st.just(-float("inf")), st.floats(0, 3)),
 )
 def test_a_scheduler_woken_at_next_wakeup_finds_a_batch_or_an_expired_request(
-    arrivals, max_batch, max_wait, merge, linger, rejoin, free_since
+    arrivals, max_batch, max_wait, merge
 ):
-    """Property: readiness and wake-up times agree, with the wait counted from arrival or
-    from a free worker, so a scheduler that sleeps until next_wakeup() neither stalls
-    nor spins."""
-    policy = BatchPolicy(
-        max_batch, max_wait, 100, merge_buckets=merge, max_linger_s=linger, max_rejoin_s=rejoin
-    )
+    """Property: readiness and wake-up times agree, so a scheduler that sleeps until
+    next_wakeup() neither stalls nor spins."""
+    policy = BatchPolicy(max_batch, max_wait, 100, merge_buckets=merge)
     queue = BucketQueue(policy)
     for i, (bucket, at) in enumerate(sorted(arrivals, key=lambda a: a[1])):
         queue.push(Pending(payload=i, bucket=bucket, cost=1, enqueued_at=at, deadline=at + 60))
     now = max(at for _, at in arrivals)
-    if queue.next_batch(now, free_since=free_since) is not None:
+    if queue.next_batch(now) is not None:
         return  # something was ready at once
-    wakeup = queue.next_wakeup(free_since=free_since)
+    wakeup = queue.next_wakeup()
     assert wakeup is not None and wakeup > now
     expired = any(item.deadline <= wakeup for item in queue)
-    assert expired or queue.next_batch(wakeup, free_since=free_since) is not None
-
-
-def test_return_rate_averages_the_share_of_each_batch_back_within_the_window():
-    rate = ReturnRate(window_s=0.5, threshold=0.5, smoothing=0.5)
-    rate.freed(0.0, 4)
-    for t in (0.1, 0.2, 0.6):  # two of the four back within the window, one after it
-        rate.arrival(t)
-    assert not rate.update(0.4) and rate.ratio == 1.0  # the window is not over yet
-    assert not rate.update(0.5) and rate.ratio == 0.75 and rate.returning
-    rate.freed(1.0, 2)  # nobody comes back after this one
-    assert rate.update(1.5) and rate.ratio == 0.375 and not rate.returning
-    rate.freed(2.0, 0)  # a stream: no clients to wait for, nothing measured
-    rate.arrival(2.1)
-    assert not rate.update(3.0) and rate.ratio == 0.375
+    assert expired or queue.next_batch(wakeup) is not None

@@ -168,16 +168,3 @@ def test_json_logs_are_one_object_a_line_with_the_request_trace_id(start_server)
     assert all({"time", "level", "logger", "message"} <= set(e) for e in entries)
     access = [e for e in entries if "POST /recognize" in e["message"]]
     assert access and access[0]["trace_id"] == trace_id and len(access[0]["span_id"]) == 16
-
-
-def test_metrics_show_whether_a_finished_batchs_clients_come_back(start_server):
-    """texel_clients_returning_ratio starts at 1 (waiting for them); a lone request
-    followed by nothing within the 250 ms window lowers it, without another request to
-    wake the batcher up."""
-    server = start_server()
-    assert server.metric("texel_clients_returning_ratio", model="image") == 1.0
-    with server.client() as client:
-        response = client.post("/generate", json={"prompt": "alone", "num_inference_steps": 2})
-        assert response.status_code == 200
-    wait_for(lambda: server.metric("texel_clients_returning_ratio", model="image") < 1.0)
-    assert abs(server.metric("texel_clients_returning_ratio", model="image") - 0.7) < 1e-9

@@ -1,4 +1,4 @@
-# Sourced by the serving benchmark calls (formula_http.sh, formula_rejoin.sh): installs the
+# Sourced by the serving benchmark calls (formula_http.sh and the like): installs the
 # carried wheels, unpacks the benchmark images and defines `cmp ARGS...`, one
 # bench.compare run whose records go to $OUT/$RESULTS and whose log to $OUT/bench.log,
 # and `comparison`, the whole side-by-side comparison plus the equivalence check.
