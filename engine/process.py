@@ -177,8 +177,12 @@ async def _serve(device: torch.device, plans: list[ModelPlan], path: str, drain_
 
 async def _record_memory(device: torch.device, every_s: float = 1.0) -> None:
     """The device's torch-allocator gauges, which only this process can read."""
-    from telemetry.resources import record_allocator
+    from telemetry import metrics
 
+    if device.type != "cuda":
+        return
     while True:
-        record_allocator(device)
+        if torch.cuda.is_initialized():
+            metrics.TORCH_ALLOCATED.labels(str(device)).set(torch.cuda.memory_allocated(device))
+            metrics.TORCH_RESERVED.labels(str(device)).set(torch.cuda.memory_reserved(device))
         await asyncio.sleep(every_s)

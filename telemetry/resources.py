@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -175,15 +174,3 @@ class ResourceCollector(Collector):
                 if value is not None:
                     family.add_metric([reading.device], value)
         yield from families.values()
-
-
-def record_allocator(device) -> None:
-    """Set the torch-allocator gauges of a CUDA `device` from this process's allocator
-    (an engine's, after its batches); nothing for other devices."""
-    from telemetry import metrics
-
-    torch = sys.modules.get("torch")
-    if torch is None or device.type != "cuda" or not torch.cuda.is_initialized():
-        return
-    metrics.TORCH_ALLOCATED.labels(str(device)).set(torch.cuda.memory_allocated(device))
-    metrics.TORCH_RESERVED.labels(str(device)).set(torch.cuda.memory_reserved(device))
