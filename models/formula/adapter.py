@@ -46,8 +46,8 @@ from telemetry import metrics
 VARIABLE_WIDTH_ENCODERS = frozenset({"swin", "donut-swin", "swinv2"})
 
 # Bucket width steps in input pixels. On a GPU every width group that joins a stream costs
-# one encoder replay, about 0.6 ms on an H200 for any number of rows, so fewer, wider
-# buckets pay (bench/device/formula_buckets.sh); on a CPU padding is real compute.
+# one encoder replay whatever its rows, so fewer, wider buckets pay
+# (bench/device/formula_buckets.sh, bench/RESULTS.md); on a CPU padding is real compute.
 GPU_BUCKET_STEP = 128
 CPU_BUCKET_STEP = 64
 

@@ -3,8 +3,8 @@
 Why: transformers' `generate()` runs each decoding step as a few hundred small
 kernel launches driven from Python, plus its own per-step bookkeeping (logits
 processors, stopping criteria, a growing dynamic cache). For Texel's small TrOCR
-decoder that launch overhead, about 3 ms per step on an H200 whatever the batch
-size, is most of the decode time.
+decoder that launch overhead, the same whatever the batch size, is most of the
+decode time (bench/RESULTS.md).
 
 How: every tensor a step touches lives in buffers allocated once: the
 self-attention K/V cache (`max_new_tokens + 2` positions), the cross-attention
@@ -43,8 +43,8 @@ reported twice.
 The encoder gets the same treatment on CUDA. A served batch holds several width
 buckets, each encoded alone, so eager encoding met a new (rows, width) shape on
 almost every batch, and each new shape cost far more host time than the GPU work
-(on an H200 the worker thread spent 42% of its time inside the encoder's
-attention call, at 1-2% GPU utilization). Rows are padded up to a batch bucket,
+(the worker thread spent most of its time inside the encoder's attention call
+while the GPU idled; bench/HISTORY.md). Rows are padded up to a batch bucket,
 so the shapes are few (batch buckets x widths), and `warmup(input_shapes)`
 captures one encoder graph per shape before readiness: its replay writes the
 cross-attention K/V of every decoder layer into its width's scratch buffer, from
@@ -178,9 +178,8 @@ class StaticGreedyDecoder:
         self.device = model.device
         self.dtype = model.dtype
         # The KV cache and attention: in fp32 on a CPU running a bf16 model, whose attention
-        # kernels take two to three times as long in bf16 for a query of one (8 rows, 1,024
-        # source positions, 6 layers: 8.5 ms against 3.5 ms on a 2-core AMD EPYC), while
-        # its bf16 matrix multiplies pay. Elsewhere the model's dtype.
+        # kernels are several times slower in bf16 for a query of one (bench/RESULTS.md),
+        # while its bf16 matrix multiplies pay. Elsewhere the model's dtype.
         self._cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
         self.attention_dtype = torch.float32 if self._cpu_bf16 else self.dtype
         self.use_cuda_graphs = (

@@ -7,7 +7,7 @@ steps and guidance share one pipeline call.
 
 The UNet can be compiled (`compile="batch"` or `"dynamic"`, off by default): warm-up
 then compiles a graph for every batch size up to the largest, so no request of one image
-pays for compilation. The README gives what each costs and gains on an H200.
+pays for compilation. bench/RESULTS.md gives what each costs and gains.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def compile_unet(unet, mode: str):
     """`torch.compile` of a UNet as `TEXEL_IMAGE__COMPILE` asks. `batch`: torch's own
     dynamic-shape policy, where the first batch size gets a graph of its own and the next
     one a graph with a symbolic batch size that serves every size after it; image sizes
-    stay specialized. `dynamic`: every size symbolic (one compilation; on an H200 its
-    kernels were slower at batch 8 than eager ones)."""
+    stay specialized. `dynamic`: every size symbolic (one compilation, whose kernels
+    were slower at batch 8 than eager ones; bench/RESULTS.md)."""
     # Without duck shaping a batch dimension that happens to equal another size (4
     # latent channels, 4 rows) stays symbolic instead of being fixed to it.
     fx_config.use_duck_shape = False
