@@ -167,9 +167,10 @@ class Engine:
             raise NotReady(f"the {key} model is {served.state.state}")
         return served.model
 
-    def queued_cost(self, key: str) -> float:
+    def depth(self, key: str) -> int:
+        """Requests of model `key` waiting for a batch."""
         batcher = self._get(key).batcher
-        return 0.0 if batcher is None else batcher.queued_cost
+        return 0 if batcher is None else batcher.depth
 
     async def submit(
         self, key: str, payload: Any, timeout_s: float, context: Any = None

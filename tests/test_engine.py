@@ -88,6 +88,21 @@ async def ready_engine(model: Doubler, **policy) -> Engine:
     return engine
 
 
+async def until(condition, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+async def connected(path: str) -> RemoteEngine:
+    client = RemoteEngine(path, "cpu")
+    await client.start()
+    await until(lambda: client.connected)
+    return client
+
+
 @pytest.fixture
 async def remote(tmp_path):
     """An engine served on a Unix socket in this process, and a client connected to it."""
@@ -95,12 +110,7 @@ async def remote(tmp_path):
     engine = await ready_engine(model)
     path = str(tmp_path / "engine.sock")
     server = await asyncio.start_unix_server(EngineServer(engine).connection, path=path)
-    client = RemoteEngine(path, "cpu")
-    await client.start()
-    for _ in range(100):
-        if client.connected:
-            break
-        await asyncio.sleep(0.01)
+    client = await connected(path)
     yield model, engine, server, client
     await client.close()
     server.close()
@@ -210,15 +220,11 @@ async def test_a_full_queue_answers_429_material_over_the_socket(tmp_path) -> No
     engine = await ready_engine(model, max_batch_size=1, max_queue=1, max_wait_s=0)
     path = str(tmp_path / "e.sock")
     server = await asyncio.start_unix_server(EngineServer(engine).connection, path=path)
-    client = RemoteEngine(path, "cpu")
-    await client.start()
-    while not client.connected:
-        await asyncio.sleep(0.01)
+    client = await connected(path)
     running = asyncio.ensure_future(client.submit(model, 1, 5.0, None))
-    while not model.batches:
-        await asyncio.sleep(0.01)
+    await until(lambda: model.batches)
     queued = asyncio.ensure_future(client.submit(model, 2, 5.0, None))
-    await asyncio.sleep(0.05)
+    await until(lambda: engine.depth("double") == 1)
     with pytest.raises(QueueFull) as full:
         await client.submit(model, 3, 5.0, None)
     assert full.value.retry_after_s > 0
@@ -233,17 +239,11 @@ async def test_a_cancelled_request_leaves_the_engine_queue(remote) -> None:
     model, engine, _, client = remote
     model.release.clear()
     first = asyncio.ensure_future(client.submit(model, 1, 5.0, None))
-    while not model.batches:
-        await asyncio.sleep(0.01)
+    await until(lambda: model.batches)
     waiting = asyncio.ensure_future(client.submit(model, 2, 5.0, None))
-    await asyncio.sleep(0.05)
-    assert engine._served["double"].batcher.depth == 1
+    await until(lambda: engine.depth("double") == 1)
     waiting.cancel()
-    for _ in range(100):
-        if engine._served["double"].batcher.depth == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert engine._served["double"].batcher.depth == 0, "the cancel reached the engine"
+    await until(lambda: engine.depth("double") == 0)  # the cancel arrived
     model.release.set()
     assert (await first).value == 2
 
@@ -262,13 +262,9 @@ async def test_requests_in_an_engine_that_goes_away_fail_and_the_client_reconnec
         await EngineServer(engine).connection(reader, writer)
 
     server = await asyncio.start_unix_server(accept, path=path)
-    client = RemoteEngine(path, "cpu")
-    await client.start()
-    while not client.connected:
-        await asyncio.sleep(0.01)
+    client = await connected(path)
     in_flight = asyncio.ensure_future(client.submit(model, 1, 5.0, None))
-    while not model.batches:
-        await asyncio.sleep(0.01)
+    await until(lambda: model.batches)
     server.close()  # the engine process dies: its socket and connections close
     for writer in connections:
         writer.transport.abort()
@@ -277,10 +273,7 @@ async def test_requests_in_an_engine_that_goes_away_fail_and_the_client_reconnec
     model.release.set()
     engine2 = await ready_engine(Doubler())
     server2 = await asyncio.start_unix_server(EngineServer(engine2).connection, path=path)
-    for _ in range(200):
-        if client.connected:
-            break
-        await asyncio.sleep(0.02)
+    await until(lambda: client.connected)
     assert (await client.submit(model, 5, 5.0, None)).value == 10
     await client.close()
     server2.close()
