@@ -49,8 +49,8 @@ def main() -> None:
     recognizer.warmup(device, args.max_batch_size)
     warmup_s = time.perf_counter() - started
     spec = recognizer.spec
-    decoder = recognizer._decoders.get(str(device))
-    model = recognizer._models[str(device)]
+    decoder = recognizer.static_decoder(device)
+    model = recognizer.replica(device)
     step = recognizer.bucket_step
     widths = sorted({bucket_width(w, spec, step) for w in range(1, spec.max_width + 1)})
     rng = random.Random(0)

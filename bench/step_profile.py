@@ -57,7 +57,7 @@ def step_ms(decoder: StaticGreedyDecoder, repeats: int) -> float:
 
 def admit(recognizer: FormulaRecognizer, decoder: StaticGreedyDecoder, items: list) -> int:
     """Admit `items` as the stream would; the longest source among them."""
-    pixels, _, _ = recognizer._upload(decoder, items)
+    pixels, _, _ = recognizer.upload(decoder, items)
     slots = decoder.admit(pixels)
     return max(decoder._slot_source[slot] for slot in slots)
 
@@ -76,7 +76,7 @@ def main() -> None:
     recognizer.open()
     recognizer.load(device)
     recognizer.warmup(device, args.rows)
-    decoder = recognizer._decoders[str(device)]
+    decoder = recognizer.static_decoder(device)
     images = formula_images(args.data, args.rows)
     items = [recognizer.preprocess(image) for image in images]
     longest = admit(recognizer, decoder, items)
@@ -94,7 +94,7 @@ def main() -> None:
     decoder.release(list(range(args.rows)))
 
     trimmed = StaticGreedyDecoder(
-        recognizer._models[str(device)],
+        recognizer.replica(device),
         max_batch_size=args.rows,
         max_new_tokens=decoder.max_new_tokens,
         max_source_len=longest,

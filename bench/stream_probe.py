@@ -109,7 +109,7 @@ class DeviceTimes:
 def probe(recognizer: FormulaRecognizer, device, items: list, concurrency: int, duration: float):
     """One closed-loop run: formulas/s, mean rows, host seconds per check by phase, and on
     CUDA the device time of the work joins and runs queue."""
-    decoder = recognizer._decoders[str(device)]
+    decoder = recognizer.static_decoder(device)
     phases: defaultdict[str, float] = defaultdict(float)
     rows: list[int] = []
     joins: list[tuple[int, int]] = []  # (requests, width groups) per join
@@ -120,7 +120,7 @@ def probe(recognizer: FormulaRecognizer, device, items: list, concurrency: int, 
         rows.append(decoder.running)
         run()
 
-    join = recognizer._join
+    join = recognizer.admit
 
     def counted_join(decoder, new, slot_rows, feed):
         joins.append((len(new), len({item.bucket for _, item in new})))
@@ -137,7 +137,7 @@ def probe(recognizer: FormulaRecognizer, device, items: list, concurrency: int, 
     }
     for name, function in patched.items():
         setattr(decoder, name, function)
-    recognizer._join = joined
+    recognizer.admit = joined  # an instance attribute over the public method
     try:
         feed = ClosedLoop(items, concurrency, time.perf_counter() + duration)
         started = time.perf_counter()
@@ -146,7 +146,7 @@ def probe(recognizer: FormulaRecognizer, device, items: list, concurrency: int, 
     finally:
         for name in patched:
             delattr(decoder, name)
-        del recognizer._join
+        del recognizer.admit
     checks = max(len(rows), 1)
     record = {
         "throughput_rps": round(feed.answered / elapsed, 2),
@@ -231,7 +231,7 @@ def main() -> None:
     }
     probe(recognizer, device, items, args.max_batch_size, 2.0)  # warm-up
     records = []
-    decoder = recognizer._decoders[str(device)]
+    decoder = recognizer.static_decoder(device)
     for admission in admissions:
         decoder.concurrent_admission = admission == "concurrent"
         for level in (int(c) for c in args.concurrency.split(",")):

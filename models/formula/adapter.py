@@ -235,6 +235,14 @@ class FormulaRecognizer(Model):
         their padding (the static decoder); `generate()` would see the wider padding."""
         return bool(self._models) and all(key in self._decoders for key in self._models)
 
+    def static_decoder(self, device: torch.device) -> StaticGreedyDecoder | None:
+        """The static decoder serving `device`, if it uses one (benchmarks probe it)."""
+        return self._decoders.get(str(device))
+
+    def replica(self, device: torch.device) -> VisionEncoderDecoderModel:
+        """The model loaded on `device`."""
+        return self._models[str(device)]
+
     def uses_static_decoder(self, device: torch.device) -> bool:
         """Whether batches on `device` run Texel's static decoder (else `generate()`)."""
         return str(device) in self._decoders
@@ -337,7 +345,7 @@ class FormulaRecognizer(Model):
             self._uploads[key] = _PinnedBuffers(size, decoder.device)
         return self._uploads[key]
 
-    def _upload(
+    def upload(
         self, decoder: StaticGreedyDecoder, batch: list[FormulaInput], *, aside: bool = False
     ) -> tuple[list[torch.Tensor], list[int], torch.cuda.Event | None]:
         """The batch's pixels on the device, one group per width bucket, the order of the
@@ -365,7 +373,7 @@ class FormulaRecognizer(Model):
         self, decoder: StaticGreedyDecoder, batch, should_stop, max_new_tokens
     ) -> list[list[int]]:
         """Each bucket of a merged batch encoded at its own width, decoded together."""
-        pixels, order, _ = self._upload(decoder, batch)
+        pixels, order, _ = self.upload(decoder, batch)
         output = decoder.decode(pixels, max_new_tokens=max_new_tokens, should_stop=should_stop)
         rows = output.tolist()
         ids: list[list[int]] = [[] for _ in batch]
@@ -390,7 +398,7 @@ class FormulaRecognizer(Model):
                 while True:
                     new = feed.take(decoder.free_slots)
                     if new:
-                        self._join(decoder, new, rows, feed)
+                        self.admit(decoder, new, rows, feed)
                     if not decoder.running and pending is None:
                         if feed.finish():
                             return
@@ -419,20 +427,20 @@ class FormulaRecognizer(Model):
         finally:  # a failed stream leaves no rows behind for the next one
             decoder.release(list(rows))
 
-    def _join(self, decoder, new, rows: dict, feed) -> None:
+    def admit(self, decoder, new, rows: dict, feed) -> None:
         """Admit new requests into free rows; a request that cannot start fails alone."""
         batch = [payload for _, payload in new]
         try:
             with out_of_memory_as_batching_error():
                 # Uploaded and encoded beside the steps already queued, not behind them.
-                pixels, order, ready = self._upload(decoder, batch, aside=True)
+                pixels, order, ready = self.upload(decoder, batch, aside=True)
                 slots = decoder.admit(pixels, ready=ready)
         except Exception as exc:
             if len(new) == 1:
                 feed.done([(new[0][0], exc)])
                 return
             for one in new:  # find the one that fails; the others join
-                self._join(decoder, [one], rows, feed)
+                self.admit(decoder, [one], rows, feed)
             return
         now = time.perf_counter()
         for slot, i in zip(slots, order, strict=True):
