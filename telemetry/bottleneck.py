@@ -1,7 +1,7 @@
 """Bottleneck diagnosis: which of the four quadrants is this server in?
 
-Over a window it samples the CPU of the serving process and its preprocessing and
-worker processes (all cores, and the busiest thread, which catches a saturated
+Over a window it samples the CPU of every process of the server, the launcher's engine
+and HTTP processes (all cores, and the busiest thread, which catches a saturated
 event loop or GIL), how late the event loop ran its timers
 (which catches threads contending for the GIL, where no one thread is busy), GPU
 utilization, and how the time spent in request stages splits between them; then
@@ -149,8 +149,8 @@ def classify(sample: Sample) -> Verdict:
     if loop_late:
         why += (
             f"; the event loop runs {lag * 1000:.0f} ms late: it, or threads holding the GIL, "
-            "keep requests waiting (TEXEL_PREPROCESS_PROCESSES, TEXEL_WORKER_PROCESSES, "
-            "fewer preprocessing threads, lower trace sampling)"
+            "keep requests waiting (more TEXEL_HTTP_PROCESSES, fewer "
+            "TEXEL_ADVANCED__PREPROCESS_THREADS, lower trace sampling)"
         )
     if dominant:
         why += f"; most request time is in '{dominant}' ({shares[dominant]:.0%})"

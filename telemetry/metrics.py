@@ -130,7 +130,7 @@ EVENT_LOOP_LAG = Histogram(
 GC_PAUSE = Histogram(
     "texel_gc_pause_seconds",
     "Collections of Python's cyclic garbage collector in an HTTP process, by generation: "
-    "every thread of the process waits while one runs (TEXEL_GC_FREEZE).",
+    "every thread of the process waits while one runs (TEXEL_ADVANCED__GC_FREEZE).",
     ["generation"],
     buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
     registry=REGISTRY,

@@ -106,7 +106,8 @@ def tiny_recognizer(tiny_models):
     def build(max_batch_size: int, widths: tuple[int, ...], seed: int = 0):
         cpu = torch.device("cpu")
         recognizer = FormulaRecognizer(str(tiny_models["formula"]), [cpu], decoder="static")
-        recognizer.load()
+        recognizer.open()
+        recognizer.load(cpu)
         recognizer.warmup(cpu, max_batch_size=max_batch_size)
         rng = np.random.default_rng(seed)
         height = recognizer.spec.height

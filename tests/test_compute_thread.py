@@ -1,88 +1,137 @@
-"""Every torch computation of CPU models happens on one thread: loading included."""
+"""Which thread computes: an engine's models share one compute thread on a CPU (loading
+included), and have one each on a GPU, whose thread makes that GPU current."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import torch
 
-from app.serving import Runtime, ServedModel
-from app.settings import FormulaSettings, ImageSettings, Settings
+from engine import Engine, ModelPlan
+from models.base import DeviceRunner, Model
+from tests.test_stream import FakeStream
+
+CPU = torch.device("cpu")
 
 
-class RecordingAdapter:
-    """A stand-in model adapter that notes which thread ran each lifecycle step."""
+class Recorder(Model):
+    """A model that notes which thread ran each step of its life and each batch; with
+    `stream`, its batches run continuously through it (`batching.stream`)."""
 
-    operation = "generate_content"
-    merge_buckets = False
+    payload_type = object
+    output_type = object
 
-    def __init__(self, name: str, threads: list[tuple[str, int]]) -> None:
-        self.name = name
-        self.devices = [torch.device("cpu")]
+    def __init__(self, key: str, threads: list[tuple[str, int]], stream=None) -> None:
+        super().__init__(key, key)
+        self.key = key
         self.threads = threads
+        self.stream = stream
 
     def _note(self, step: str) -> None:
-        self.threads.append((f"{self.name}.{step}", threading.get_ident()))
+        self.threads.append((f"{self.key}.{step}", threading.get_ident()))
 
-    def load(self) -> None:
+    def open(self) -> None:
+        self._note("open")
+
+    def load(self, device) -> None:
         self._note("load")
 
     def warmup(self, device, max_batch_size: int) -> None:
         self._note("warmup")
 
-    def runner(self, device):
-        def run(batch, should_stop):
+    def bucket(self, payload) -> int:
+        return 0
+
+    def runner(self, device) -> DeviceRunner:
+        def run(payloads, should_stop):
             self._note("run")
-            return list(batch)
+            return list(payloads)
 
-        return run
+        return DeviceRunner(run, self.stream)
 
-    def padding_efficiency(self, batch) -> None:
-        return None
+    def request_stages(self):
+        return []
+
+    def response_stages(self):
+        return []
 
 
-async def test_cpu_models_load_warm_up_and_run_on_one_shared_thread():
+def plan(model: Recorder, max_batch_size: int = 4) -> ModelPlan:
+    return ModelPlan(model.key, lambda: model, max_batch_size, max_wait_s=0.001, max_queue=64)
+
+
+async def test_a_cpu_engine_loads_warms_up_and_runs_every_model_on_one_thread():
     threads: list[tuple[str, int]] = []
-    runtime = Runtime(Settings())
-    models = {
-        "formula": ServedModel(
-            "formula", RecordingAdapter("formula", threads), FormulaSettings(), 10
-        ),
-        "image": ServedModel("image", RecordingAdapter("image", threads), ImageSettings(), 10),
-    }
+    engine = Engine(CPU, [plan(Recorder("formula", threads)), plan(Recorder("image", threads))])
+    await engine.start()
     try:
-        for served in models.values():
-            await served.start(runtime.compute_thread)
-            assert served.ready, served.error
-        for served in models.values():
-            await served.batcher.submit("x", bucket=0, timeout_s=10)
+        for key in ("formula", "image"):
+            assert (await engine.submit(key, "x", timeout_s=5)).value == "x"
     finally:
-        for served in models.values():
-            if served.batcher is not None:
-                await served.batcher.drain(5)
-        for executor in runtime.compute_threads.values():
-            executor.shutdown()
+        await engine.close()
     steps = [step for step, _ in threads]
-    assert steps[:2] == ["formula.load", "formula.warmup"] and "image.run" in steps
-    assert {ident for _, ident in threads} == {next(iter(threads))[1]}
-    assert threading.get_ident() not in {ident for _, ident in threads}
+    life = ["open", "load", "warmup"]
+    assert steps == [f"formula.{s}" for s in life] + [f"image.{s}" for s in life] + [
+        "formula.run",
+        "image.run",
+    ]
+    idents = {ident for _, ident in threads}
+    assert len(idents) == 1, "one compute thread for the CPU"
+    assert threading.get_ident() not in idents, "none of it on the event loop's thread"
 
 
-def test_a_gpu_compute_thread_makes_its_gpu_current(monkeypatch):
-    """A worker for cuda:1 must not capture graphs or open streams on cuda:0, every
-    thread's starting device (no GPU on CI: set_device is recorded, not called)."""
+async def test_a_gpu_engine_gives_each_model_a_thread_that_makes_its_gpu_current(monkeypatch):
+    """A model on cuda:1 must not capture graphs or open streams on cuda:0, every
+    thread's starting device (no GPU here: set_device is recorded, not called)."""
     current: list[tuple[torch.device, int]] = []
     monkeypatch.setattr(
         torch.cuda, "set_device", lambda d: current.append((d, threading.get_ident()))
     )
-    runtime = Runtime(Settings())
     gpu1 = torch.device("cuda", 1)
-    thread = runtime.compute_thread("formula", gpu1)
-    ident = thread.submit(threading.get_ident).result()
-    cpu_ident = (
-        runtime.compute_thread("formula", torch.device("cpu")).submit(threading.get_ident).result()
-    )
-    assert current == [(gpu1, ident)]
-    assert cpu_ident != ident
-    for pool in runtime.compute_threads.values():
-        pool.shutdown()
+    threads: list[tuple[str, int]] = []
+    engine = Engine(gpu1, [plan(Recorder("formula", threads)), plan(Recorder("image", threads))])
+    await engine.start()
+    try:
+        for key in ("formula", "image"):
+            assert (await engine.submit(key, "x", timeout_s=5)).value == "x"
+    finally:
+        await engine.close()
+    formula = {ident for step, ident in threads if step.startswith("formula.")}
+    image = {ident for step, ident in threads if step.startswith("image.")}
+    assert len(formula) == len(image) == 1 and formula != image, "a thread per model"
+    assert sorted(current, key=str) == sorted([(gpu1, *formula), (gpu1, *image)], key=str)
+
+
+async def test_a_stream_on_a_cpu_gives_way_to_another_models_batch():
+    """On a CPU a formula stream under endless load must let the image model's batch run
+    on the shared compute thread, then carry on with the requests it left queued."""
+    threads: list[tuple[str, int]] = []
+    streamed = Recorder("formula", threads, stream=FakeStream(rows=4))
+    engine = Engine(CPU, [plan(streamed), plan(Recorder("image", threads))])
+    await engine.start()
+    stop = asyncio.Event()
+    answered = 0
+
+    async def client(steps: int) -> None:
+        nonlocal answered
+        while not stop.is_set():
+            result = await engine.submit("formula", (1, steps), timeout_s=30)
+            assert result.value == 2
+            answered += 1
+
+    try:
+        # Twice as many clients as rows, each row of its own length: rows end at
+        # different checks, so the stream (almost) never runs dry and ends by itself.
+        clients = [asyncio.create_task(client(20 + k)) for k in range(8)]
+        await asyncio.sleep(0.1)
+        other = await asyncio.wait_for(engine.submit("image", "other", timeout_s=30), 5)
+        assert other.value == "other"
+        before = answered
+        await asyncio.sleep(0.5)  # rows take 20-27 checks of 5 ms
+        assert answered > before, "the streamed model carries on afterwards"
+        stop.set()
+        await asyncio.gather(*clients)
+        assert await engine.drain(5)
+    finally:
+        await engine.close()

@@ -1,4 +1,4 @@
-"""Device selection and out-of-memory handling, on a machine without CUDA."""
+"""Device selection, out-of-memory handling and allocator gauges, on a machine without CUDA."""
 
 from __future__ import annotations
 
@@ -50,3 +50,20 @@ def test_auto_dtype_is_bf16_on_a_cpu_only_where_asked_and_native():
     assert resolve_dtype("auto", cpu, torch.bfloat16, torch.bfloat16) == native
     assert resolve_dtype("float32", cpu, torch.bfloat16, torch.bfloat16) == torch.float32
     assert resolve_dtype("bfloat16", cpu, torch.float16) == torch.bfloat16
+
+
+def test_an_engine_publishes_its_gpu_allocator_memory(monkeypatch):
+    """The torch allocator of a GPU is the engine process's: it sets the device's gauges,
+    which every HTTP process's /metrics shows (no GPU here: the allocator is a stand-in)."""
+    from telemetry import metrics
+    from telemetry.resources import record_allocator
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1000)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 4096)
+    record_allocator(torch.device("cuda", 1))
+    record_allocator(torch.device("cpu"))
+    sample = metrics.REGISTRY.get_sample_value
+    assert sample("texel_torch_allocated_bytes", {"device": "cuda:1"}) == 1000
+    assert sample("texel_torch_reserved_bytes", {"device": "cuda:1"}) == 4096
+    assert sample("texel_torch_allocated_bytes", {"device": "cpu"}) is None

@@ -316,7 +316,8 @@ def test_merged_widths_decode_as_each_row_would_alone(tiny_model_dir, dtype: str
 
     cpu = torch.device("cpu")
     recognizer = FormulaRecognizer(str(tiny_model_dir), [cpu], decoder="static", dtype=dtype)
-    recognizer.load()
+    recognizer.open()
+    recognizer.load(cpu)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():  # large cross-attention, so tokens depend on the image and its padding
         for layer in recognizer._models["cpu"].decoder.model.decoder.layers:
@@ -341,7 +342,8 @@ def test_merged_widths_decode_as_each_row_would_alone(tiny_model_dir, dtype: str
     assert [t.token_ids for t in together] == [t.token_ids for t in alone]
 
     generate = FormulaRecognizer(str(tiny_model_dir), [cpu], decoder="generate")
-    generate.load()
+    generate.open()
+    generate.load(cpu)
     generate.warmup(cpu, max_batch_size=4)
     assert not generate.uses_static_decoder(cpu) and not generate.merge_buckets
 
@@ -380,7 +382,8 @@ def test_pixels_staged_in_an_upload_buffer_match_the_plain_path(tiny_model_dir) 
 
     cpu = torch.device("cpu")
     recognizer = FormulaRecognizer(str(tiny_model_dir), [cpu])
-    recognizer.load()
+    recognizer.open()
+    recognizer.load(cpu)
     height = recognizer.spec.height
     rng = np.random.default_rng(1)
     groups = [
@@ -505,7 +508,8 @@ def test_a_failed_stream_leaves_every_slot_free(tiny_model_dir) -> None:
 
     cpu = torch.device("cpu")
     recognizer = FormulaRecognizer(str(tiny_model_dir), [cpu], decoder="static")
-    recognizer.load()
+    recognizer.open()
+    recognizer.load(cpu)
     recognizer.warmup(cpu, max_batch_size=2)
     decoder = recognizer._decoders["cpu"]
     blank = np.full((recognizer.spec.height, 64), 255, dtype=np.uint8)
@@ -540,7 +544,8 @@ def test_a_stream_answers_each_request_with_its_solo_tokens(tiny_model_dir, ahea
 
     cpu = torch.device("cpu")
     recognizer = FormulaRecognizer(str(tiny_model_dir), [cpu], decoder="static")
-    recognizer.load()
+    recognizer.open()
+    recognizer.load(cpu)
     recognizer.warmup(cpu, max_batch_size=3)
     recognizer.stream_ahead = ahead
     rng = np.random.default_rng(11)

@@ -116,3 +116,22 @@ def test_device_normalization_matches_pad_and_normalize() -> None:
     got = normalize_pixels(torch.from_numpy(pad_strips(strips, 64)), SPEC)
     assert got.dtype == torch.float32 and tuple(got.shape) == expected.shape
     assert np.array_equal(got.numpy(), expected)
+
+
+def test_an_http_process_preprocesses_without_weights_and_the_engine_gets_that_payload(
+    tiny_models,
+) -> None:
+    """HTTP processes open the recognizer (tokenizer, image spec) and load no weights;
+    the payload they make crosses the engine protocol to what an in-process engine gets."""
+    import torch
+
+    from engine import protocol
+    from models.formula.adapter import FormulaRecognizer
+
+    recognizer = FormulaRecognizer(str(tiny_models["formula"]), [torch.device("cpu")])
+    recognizer.open()
+    payload = recognizer.preprocess(encode(ink_box()))
+    received = protocol.decoder(FormulaRecognizer.payload_type).decode(protocol.encode(payload))
+    assert (received.width, received.bucket) == (payload.width, payload.bucket)
+    assert np.array_equal(received.strip, payload.strip)
+    assert not recognizer._models, "no weights on the request side"

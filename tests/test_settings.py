@@ -1,11 +1,18 @@
-"""Settings come from TEXEL_* variables with `__` for nesting."""
+"""Settings come from TEXEL_* variables with `__` for nesting; the launcher plans its
+processes and models from them."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from pydantic import ValidationError
 
+from app import launcher
+from app.launcher import ProcessPlan, model_plans
 from app.settings import Settings
+
+CPU = torch.device("cpu")
+GPUS = [torch.device("cuda", 0), torch.device("cuda", 1)]
 
 
 def test_nested_model_settings_are_read_from_the_environment(monkeypatch):
@@ -37,56 +44,84 @@ def test_defaults_point_at_the_shipped_models():
     assert settings.api_keys == [] and settings.log_format == "text"
 
 
-def test_formula_buckets_are_wider_on_gpus_unless_set(monkeypatch):
-    import torch
-
-    from app.serving import build_models
-    from models.formula.adapter import FormulaRecognizer
-
-    cpu, gpu = [torch.device("cpu")], [torch.device("cuda:0")]
-    assert FormulaRecognizer("m", cpu).bucket_step == 64
-    assert FormulaRecognizer("m", gpu).bucket_step == 128
-    assert FormulaRecognizer("m", gpu, bucket_step=64).bucket_step == 64
-    monkeypatch.setenv("TEXEL_IMAGE__ENABLED", "false")
-    assert Settings().formula.bucket_width is None
-    served = build_models(Settings(), gpu, worker_processes=False)
-    assert served["formula"].adapter.bucket_step == 128, "unset: the device's default"
-    monkeypatch.setenv("TEXEL_FORMULA__BUCKET_WIDTH", "96")
-    served = build_models(Settings(), gpu, worker_processes=False)
-    assert served["formula"].adapter.bucket_step == 96, "a setting wins on any device"
-
-
 def test_invalid_values_are_refused(monkeypatch):
     monkeypatch.setenv("TEXEL_FORMULA__MAX_BATCH_SIZE", "0")
     with pytest.raises(ValidationError):
         Settings()
 
 
-def test_process_plan_follows_the_devices_unless_set() -> None:
-    import torch
+def test_one_cpu_http_process_serves_with_the_engine_inside():
+    plan = ProcessPlan.of(Settings(device="cpu"), cores=16)
+    assert plan == ProcessPlan([CPU], 1)
+    assert plan.single_process
 
-    from app.serving import ProcessPlan, process_plan
 
-    cpu, gpu = [torch.device("cpu")], [torch.device("cuda", 0), torch.device("cuda", 1)]
-    assert process_plan(Settings(), cpu, cores=2) == ProcessPlan(0, None, False, 1)
-    # On a GPU: HTTP processes decode their own images, so no preprocessing processes...
-    assert process_plan(Settings(), gpu, cores=16) == ProcessPlan(0, 0.5, True, 4)
-    # ...unless there are too few cores for more than one HTTP process.
-    assert process_plan(Settings(), gpu, cores=6) == ProcessPlan(1, 0.5, True, 1)
-    one_http = Settings(http_processes=1)
-    assert process_plan(one_http, gpu, cores=16) == ProcessPlan(4, 0.5, True, 1)
-    threads = Settings(worker_processes=False, http_processes=1)
-    assert process_plan(threads, gpu, cores=16) == ProcessPlan(8, 0.5, False, 1)
-    assert process_plan(threads, gpu, cores=6) == ProcessPlan(3, 0.5, False, 1)
-    set_explicitly = Settings(preprocess_processes=2, switch_interval_ms=5, http_processes=3)
-    assert process_plan(set_explicitly, gpu, cores=16) == ProcessPlan(2, 5, True, 3)
-    assert process_plan(Settings(preprocess_processes=2), cpu, cores=2) == ProcessPlan(
-        2, None, False, 1
-    )
-    assert process_plan(Settings(worker_processes=True), cpu, cores=2).worker_processes
-    assert process_plan(Settings(http_processes=2), cpu, cores=2).http_processes == 2
-    images_only = Settings(formula={"enabled": False})
-    assert process_plan(images_only, gpu, cores=16) == ProcessPlan(0, 0.5, True, 4)
+def test_a_second_http_process_on_a_cpu_puts_the_engine_in_a_process_of_its_own():
+    plan = ProcessPlan.of(Settings(device="cpu", http_processes=2), cores=16)
+    assert plan == ProcessPlan([CPU], 2)
+    assert not plan.single_process
+
+
+@pytest.mark.parametrize(("cores", "http"), [(2, 1), (6, 1), (8, 2), (16, 4), (64, 4)])
+def test_with_gpus_there_are_min_4_cores_over_4_http_processes(monkeypatch, cores, http):
+    # No GPU on CI: the devices "cuda" resolves to are given.
+    monkeypatch.setattr(launcher, "resolve_devices", lambda setting: GPUS)
+    plan = ProcessPlan.of(Settings(device="cuda"), cores=cores)
+    assert plan == ProcessPlan(GPUS, http)
+    assert not plan.single_process
+
+
+def test_a_set_number_of_http_processes_wins_on_gpus(monkeypatch):
+    monkeypatch.setattr(launcher, "resolve_devices", lambda setting: GPUS)
+    assert ProcessPlan.of(Settings(device="cuda", http_processes=3), cores=64).http_processes == 3
+    assert ProcessPlan.of(Settings(device="cuda", http_processes=1), cores=64).http_processes == 1
+
+
+def test_every_enabled_model_gets_a_plan_with_its_batching_settings(monkeypatch):
+    monkeypatch.setenv("TEXEL_FORMULA__MAX_BATCH_SIZE", "32")
+    monkeypatch.setenv("TEXEL_FORMULA__MAX_WAIT_MS", "5")
+    plans = {plan.key: plan for plan in model_plans(Settings(), [CPU])}
+    assert set(plans) == {"formula", "image"}
+    formula = plans["formula"]
+    assert (formula.max_batch_size, formula.max_wait_s, formula.max_queue) == (32, 0.005, 256)
+    monkeypatch.setenv("TEXEL_IMAGE__ENABLED", "false")
+    assert [plan.key for plan in model_plans(Settings(), [CPU])] == ["formula"]
+
+
+def formula_bucket_step(devices) -> int:
+    (plan,) = [plan for plan in model_plans(Settings(), devices) if plan.key == "formula"]
+    return plan.build().bucket_step  # built, not opened: nothing is read or put on a device
+
+
+def test_formula_buckets_are_wider_on_gpus():
+    assert formula_bucket_step([torch.device("cuda", 0)]) == 128
+    assert formula_bucket_step([CPU]) == 64
+
+
+def test_a_formula_bucket_width_setting_wins_on_any_device(monkeypatch):
+    monkeypatch.setenv("TEXEL_FORMULA__ADVANCED__BUCKET_WIDTH", "96")
+    assert formula_bucket_step([torch.device("cuda", 0)]) == 96
+    assert formula_bucket_step([CPU]) == 96
+
+
+def test_advanced_settings_are_read_from_their_nested_variables(monkeypatch):
+    monkeypatch.setenv("TEXEL_ADVANCED__KEEP_ALIVE_S", "5")
+    monkeypatch.setenv("TEXEL_ADVANCED__PREPROCESS_THREADS", "3")
+    monkeypatch.setenv("TEXEL_ADVANCED__GC_FREEZE", "false")
+    monkeypatch.setenv("TEXEL_FORMULA__ADVANCED__DECODER", "generate")
+    monkeypatch.setenv("TEXEL_FORMULA__ADVANCED__CONTINUOUS", "false")
+    monkeypatch.setenv("TEXEL_FORMULA__ADVANCED__NUM_BEAMS", "4")
+    monkeypatch.setenv("TEXEL_FORMULA__ADVANCED__MAX_NEW_TOKENS", "64")
+    monkeypatch.setenv("TEXEL_IMAGE__ADVANCED__PNG_COMPRESS_LEVEL", "6")
+    settings = Settings()
+    assert settings.advanced.keep_alive_s == 5
+    assert settings.advanced.preprocess_threads == 3
+    assert settings.advanced.gc_freeze is False
+    models = {plan.key: plan.build() for plan in model_plans(settings, [CPU])}
+    formula, image = models["formula"], models["image"]
+    assert (formula.decoder_setting, formula.continuous) == ("generate", False)
+    assert (formula.num_beams, formula.max_new_tokens) == (4, 64)
+    assert image.png_compress_level == 6
 
 
 def test_usable_cores_follow_the_container_cpu_limit(tmp_path) -> None:

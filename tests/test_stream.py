@@ -1,25 +1,23 @@
 """Continuous batching (`batching.stream`): requests join a running stream and leave it
-as they finish, on a worker thread and through a worker process, with fake models."""
+as they finish, with fake models, and the formula model served that way."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import os
+import concurrent.futures
 import time
-from dataclasses import dataclass
 
 import pytest
 
-from batching import Batcher, BatchFailed, BatchPolicy, ProcessRunner, Worker
+from batching import Batcher, BatchFailed, BatchPolicy, Worker
 
 CHECK_S = 0.005
 
 
 class FakeStream:
     """A payload (value, steps) decodes for `steps` checks of CHECK_S, then answers
-    value * 2. Holds at most `rows` at once; "boom" fails the stream, "die" kills the
-    process, "forget" is never answered."""
+    value * 2. Holds at most `rows` at once; "boom" fails the stream, "forget" is never
+    answered."""
 
     def __init__(self, rows: int = 4) -> None:
         self.rows = rows
@@ -36,8 +34,6 @@ class FakeStream:
             for key, payload in new:
                 if payload == "boom":
                     raise RuntimeError("boom in the stream")
-                if payload == "die":
-                    os._exit(3)
                 if payload == "forget":
                     return
                 running[key] = list(payload)
@@ -161,88 +157,34 @@ async def test_drain_waits_for_every_request_in_a_stream():
     await batcher.close()
 
 
-# -- through a worker process --------------------------------------------------
-
-
-def _batch(payloads, should_stop):
-    return [p * 2 for p in payloads]
-
-
-@dataclass(frozen=True)
-class _Runner:
-    run: object
-    stream: object
-
-    def __call__(self, payloads, should_stop):
-        return self.run(payloads, should_stop)
-
-
-def build_streaming(rows: int = 4):
-    return _Runner(_batch, FakeStream(rows)), {"pid": os.getpid()}
-
-
-@pytest.fixture
-def process_runner():
-    runner = ProcessRunner(functools.partial(build_streaming, 4), name="texel-test-stream")
-    runner.start()
-    yield runner
-    runner.close()
-
-
-async def test_a_worker_process_streams(process_runner):
-    assert process_runner.streams
-    batcher = make_batcher(process_runner.run_stream)
-    await _short_ones_overtake_a_long_one(batcher, None)
-    assert await batcher.drain(5)  # the stream has ended: the pipe is free
-    await batcher.close()
-    # Plain batches still run there too.
-    assert process_runner([1, 2], lambda: False) == [2, 4]
-    # A request in the child whose client goes away is dropped there.
-    batcher = make_batcher(process_runner.run_stream)
-    goes = asyncio.create_task(batcher.submit((2, 10_000), bucket=0, timeout_s=30))
-    await asyncio.sleep(0.05)
-    goes.cancel()
-    assert await batcher.drain(5)
-    await batcher.close()
-
-
-async def test_a_worker_process_that_dies_mid_stream_fails_its_requests_and_restarts(
-    process_runner,
-):
-    batcher = make_batcher(process_runner.run_stream)
-    long = asyncio.create_task(batcher.submit((1, 200), bucket=0, timeout_s=30))
-    await asyncio.sleep(0.05)
-    died = asyncio.create_task(batcher.submit("die", bucket=0, timeout_s=30))
-    for task in (long, died):
-        with pytest.raises(BatchFailed, match="died"):
-            await task
-    assert (await batcher.submit((7, 2), bucket=0, timeout_s=30)).value == 14
-    assert process_runner.restarts == 1
-    await batcher.close()
-
-
-async def test_a_stream_error_in_the_child_reaches_its_requests(process_runner):
-    batcher = make_batcher(process_runner.run_stream)
-    with pytest.raises(BatchFailed, match="RuntimeError: boom in the stream"):
-        await batcher.submit("boom", bucket=0, timeout_s=30)
-    assert (await batcher.submit((7, 2), bucket=0, timeout_s=30)).value == 14
-    await batcher.close()
-
-
 # -- the formula model, served -------------------------------------------------
+
+TEXTS = ["x^2 + 1", "a + b = c", "\\frac{1}{2}", "e^{i\\pi}", "y = mx + b", "n!"]
+
+
+def recognize_all(proc, images: list[bytes]) -> list[str]:
+    """The LaTeX a server answers for each image, all sent at once."""
+
+    def one(data: bytes) -> str:
+        with proc.client() as client:
+            response = client.post("/recognize", files={"image": ("f.png", data, "image/png")})
+        assert response.status_code == 200, response.text
+        return response.json()["latex"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(images)) as pool:
+        return list(pool.map(one, images))
 
 
 def test_continuous_batching_serves_the_same_answers_as_whole_batches(start_server):
     from prometheus_client.parser import text_string_to_metric_families
 
     from tests.conftest import formula_png
-    from tests.test_preprocess_processes import TEXTS, recognize_all
 
     images = [formula_png(text, size=(100 + 60 * i, 48)) for i, text in enumerate(TEXTS * 2)]
     answers = {}
     for continuous in ("true", "false"):
         server = start_server(
-            TEXEL_FORMULA__CONTINUOUS=continuous, TEXEL_FORMULA__MAX_BATCH_SIZE="4"
+            TEXEL_FORMULA__ADVANCED__CONTINUOUS=continuous, TEXEL_FORMULA__MAX_BATCH_SIZE="4"
         )
         answers[continuous] = recognize_all(server, images)
         with server.client() as client:
@@ -258,50 +200,6 @@ def test_continuous_batching_serves_the_same_answers_as_whole_batches(start_serv
         mean = sizes["texel_batch_size_sum"] / sizes["texel_batch_size_count"]
         assert 1 <= mean <= 4, sizes
     assert answers["true"] == answers["false"]
-
-
-async def test_a_stream_on_a_shared_thread_gives_way_to_another_models_batches():
-    """On a CPU two models share one compute thread: a stream under endless load must
-    let the other model's batch run, then carry on with the requests it left queued."""
-    from batching import ComputeThread
-
-    thread = ComputeThread(thread_name_prefix="texel-test-shared")
-    policy = dict(max_batch_size=4, max_wait_s=0.001, max_queue=64, merge_buckets=True)
-    streamed = Batcher(
-        "streamed",
-        [Worker("cpu", _no_batches, executor=thread, stream=FakeStream())],
-        BatchPolicy(**policy),
-    )
-    plain = Batcher(
-        "plain", [Worker("cpu", lambda payloads, stop: payloads, executor=thread)],
-        BatchPolicy(**policy),
-    )  # fmt: skip
-    streamed.start()
-    plain.start()
-    stop = asyncio.Event()
-    answered = 0
-
-    async def client(steps: int) -> None:
-        nonlocal answered
-        while not stop.is_set():
-            assert (await streamed.submit((1, steps), bucket=0, timeout_s=30)).value == 2
-            answered += 1
-
-    # Twice as many clients as rows, each row of its own length: rows end at different
-    # checks, so the stream (almost) never runs dry and ends by itself.
-    clients = [asyncio.create_task(client(20 + k)) for k in range(8)]
-    await asyncio.sleep(0.1)
-    result = await asyncio.wait_for(plain.submit("other", bucket=0, timeout_s=30), 5)
-    assert result.value == "other"
-    before = answered
-    await asyncio.sleep(0.5)  # rows take 20-27 checks of 5 ms
-    assert answered > before, "the streamed model carries on afterwards"
-    stop.set()
-    await asyncio.gather(*clients)
-    for batcher in (streamed, plain):
-        assert await batcher.drain(5)
-        await batcher.close()
-    thread.shutdown()
 
 
 async def test_two_devices_each_run_a_stream_once_the_first_is_full():
@@ -357,18 +255,4 @@ async def test_a_stream_that_fails_before_taking_fails_its_requests_at_once():
     with pytest.raises(BatchFailed, match="cannot start the worker"):
         await batcher.submit((1, 1), bucket=0, timeout_s=30)
     assert len(calls) == 1
-    await batcher.close()
-
-
-async def test_a_worker_process_ignores_messages_for_a_stream_that_failed(process_runner):
-    """After a stream fails in the child, the parent may already have sent it more
-    requests or cancellations; arriving between streams, they must not start one."""
-    process_runner._conn.send(("add", [(10**9, (1, 1))]))  # as if sent to a failed stream
-    process_runner._conn.send(("cancel", [10**9]))
-    batcher = make_batcher(process_runner.run_stream)
-    results = await asyncio.gather(
-        *(batcher.submit((i, 2), bucket=0, timeout_s=10) for i in range(3))
-    )
-    assert [r.value for r in results] == [0, 2, 4]
-    assert await batcher.drain(5)
     await batcher.close()

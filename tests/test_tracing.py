@@ -1,7 +1,7 @@
 """Stage spans and batch links, from a real server running in this process.
 
-The server runs on a socket in a background thread so the SDK's in-memory
-exporter sees every span it makes.
+The server (one process on a CPU: the engine inside it) runs on a socket in a
+background thread so the SDK's in-memory exporter sees every span it makes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import uvicorn
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from app.main import build_app
+from app.launcher import single_process_app
 from app.settings import Settings
 from telemetry import add_span_processor
 from tests.conftest import formula_png, free_port
@@ -34,7 +34,7 @@ def traced_server(tiny_models):
         formula={"model": str(tiny_models["formula"]), "max_wait_ms": 200, "max_batch_size": 4},
         image={"enabled": False, "model": str(tiny_models["image"])},
     )
-    app = build_app(settings)
+    app = single_process_app(settings)
     add_span_processor(SimpleSpanProcessor(exporter))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
