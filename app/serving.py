@@ -30,6 +30,7 @@ from telemetry.resources import usable_cores
 log = logging.getLogger(__name__)
 
 FOLLOW_S = 0.25  # how often an HTTP process reads its engines' states
+FIRST_LOOK_S = 2.0  # how long a starting HTTP process waits for its engines to connect
 
 
 @dataclass
@@ -70,8 +71,22 @@ class Runtime:
         for engine in self.engines:
             self._load[engine.name] = 0.0
             await engine.start()
+        await self._first_look(FIRST_LOOK_S)
         metrics.HTTP_PROCESSES.set(1)
         self._tasks.append(loop.create_task(self._follow()))
+
+    async def _first_look(self, timeout_s: float) -> None:
+        """Read the engines' states once before uvicorn takes connections. A process that
+        joins a port already serving (one started again after it died) gets its share of
+        connections at once, and without this look it would answer them 503 until its
+        first `_follow` round; an engine that is not there by `timeout_s` counts as
+        unavailable, as it would then."""
+        deadline = time.monotonic() + timeout_s
+        while not all(engine.connected for engine in self.engines):
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.01)
+        await self.refresh()
 
     async def _follow(self) -> None:
         """Read the engines' model states; attach what a newly ready model says of itself."""

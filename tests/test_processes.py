@@ -1,0 +1,420 @@
+"""`texel serve` with two HTTP processes and an engine process (TEXEL_HTTP_PROCESSES=2).
+
+The launcher starts one engine process and two HTTP processes that share the port
+(SO_REUSEPORT) and reach the engine over its Unix socket. These tests run real servers
+on real sockets: one port answered by both processes, metrics summed over them,
+readiness read from the engine, and what a client sees when a process dies or the
+launcher is told to stop.
+
+A server costs seconds of CPU to start, so the file starts two, side by side: the
+read-only checks share one; the tests that kill a process share the other, each leaving
+it whole again, and the last test stops it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import re
+import signal
+import socket
+import time
+from dataclasses import dataclass
+
+import httpx
+import psutil
+import pytest
+
+from app.serving import FOLLOW_S
+from tests.conftest import formula_png, wait_for
+from tests.server import ServerProcess
+
+HTTP_PROCESSES = 2
+
+
+# -- finding the processes -------------------------------------------------------------
+
+
+def _children(server: ServerProcess) -> list[psutil.Process]:
+    try:
+        return psutil.Process(server.process.pid).children()
+    except psutil.NoSuchProcess:
+        return []
+
+
+def http_processes(server: ServerProcess) -> list[psutil.Process]:
+    """The launcher's children listening on the server's port: its HTTP processes."""
+    found = []
+    for child in _children(server):
+        try:
+            sockets = child.net_connections("tcp")
+        except psutil.Error:  # gone meanwhile
+            continue
+        if any(s.status == psutil.CONN_LISTEN and s.laddr.port == server.port for s in sockets):
+            found.append(child)
+    return found
+
+
+def engine_process(server: ServerProcess) -> psutil.Process | None:
+    """The launcher's child serving the engine's Unix socket."""
+    for child in _children(server):
+        try:
+            sockets = child.net_connections("unix")
+        except psutil.Error:
+            continue
+        if any(s.laddr.endswith("/engine-0.sock") for s in sockets):
+            return child
+    return None
+
+
+def gone(process: psutil.Process) -> bool:
+    """Exited (a zombie not yet reaped has closed its sockets too)."""
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_whole(server: ServerProcess, timeout: float = 120) -> None:
+    """Until both HTTP processes listen and count themselves in /metrics."""
+    wait_for(
+        lambda: (
+            len(http_processes(server)) == HTTP_PROCESSES
+            and server.metric("texel_http_processes") == HTTP_PROCESSES
+        ),
+        timeout,
+    )
+
+
+def start(tiny_env: dict[str, str], **env: str) -> ServerProcess:
+    """A server with two HTTP processes, once it answers /livez."""
+    env = {**tiny_env, "TEXEL_HTTP_PROCESSES": str(HTTP_PROCESSES), **env}
+    return ServerProcess(env, wait_ready=False)
+
+
+# -- requests ------------------------------------------------------------------------
+
+
+def recognize(server: ServerProcess, timeout: float = 60) -> httpx.Response:
+    """One formula, on a new connection: the kernel may hand it to either process."""
+    files = {"image": ("f.png", formula_png(), "image/png")}
+    return httpx.post(server.url + "/recognize", files=files, timeout=timeout)
+
+
+def recognize_many(server: ServerProcess, count: int, concurrency: int = 6) -> list:
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(lambda _: recognize(server), range(count)))
+
+
+def recognized(server: ServerProcess) -> float:
+    return server.metric("texel_request_duration_seconds_count", route="/recognize", status="200")
+
+
+def readiness(server: ServerProcess) -> tuple[int, dict]:
+    """/readyz on a new connection; an answer that takes seconds fails the test."""
+    response = httpx.get(server.url + "/readyz", timeout=5)
+    return response.status_code, response.json()
+
+
+def error_code(response: httpx.Response) -> str:
+    return response.json()["error"]["code"]
+
+
+# -- the two servers of this file --------------------------------------------------------
+
+GRACE_S, DRAIN_S = 2.0, 10.0
+WAITING = {"prompt": "a square", "num_inference_steps": 2}  # waits 3 s in the engine
+
+
+@dataclass
+class Restartable:
+    server: ServerProcess
+    startup_readiness: list[tuple[int, dict]]  # every /readyz answer from /livez to ready
+
+
+def readiness_until_ready(server: ServerProcess, timeout: float = 180) -> list[tuple[int, dict]]:
+    """Every /readyz answer until the first 200 (each on a new connection)."""
+    answers = []
+    deadline = time.monotonic() + timeout
+    while not answers or answers[-1][0] != 200:
+        assert time.monotonic() < deadline, f"not ready in {timeout} s:\n{server.log()}"
+        answers.append(readiness(server))
+        time.sleep(0.2)
+    return answers
+
+
+def start_restartable(tiny_env: dict[str, str]) -> Restartable:
+    server = start(
+        tiny_env,
+        TEXEL_IMAGE__MAX_WAIT_MS="3000",
+        TEXEL_SHUTDOWN_GRACE_S=str(GRACE_S),
+        TEXEL_DRAIN_TIMEOUT_S=str(DRAIN_S),
+    )
+    try:
+        return Restartable(server, readiness_until_ready(server))
+    except BaseException:
+        server.stop(signal.SIGKILL)
+        raise
+
+
+@pytest.fixture(scope="module")
+def starting(tiny_env, tmp_path_factory):
+    """Both servers, started side by side (a start-up keeps about one core busy)."""
+    missing = tmp_path_factory.mktemp("models") / "missing"
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    futures = {
+        "shared": pool.submit(
+            start,
+            tiny_env,
+            TEXEL_IMAGE__MODEL=str(missing),
+            TEXEL_FORMULA__MAX_WAIT_MS="50",
+            TEXEL_ADVANCED__KEEP_ALIVE_S="1",
+        ),
+        "restartable": pool.submit(start_restartable, tiny_env),
+    }
+    pool.shutdown(wait=False)
+    yield futures
+    for future in futures.values():
+        if future.exception() is None:
+            started = future.result()
+            (started.server if isinstance(started, Restartable) else started).stop()
+
+
+@pytest.fixture(scope="module")
+def shared(starting) -> ServerProcess:
+    """For read-only checks: the formula model ready, an image model that could not
+    load, and idle connections closed after 1 s."""
+    server = starting["shared"].result()
+    wait_whole(server)
+    wait_for(lambda: readiness(server)[1]["models"]["formula"] == "ready", timeout=120)
+    return server
+
+
+@pytest.fixture(scope="module")
+def restartable(starting) -> Restartable:
+    """Both models; an image waits 3 s in the engine's queue for company (requests that
+    stay in flight without costing CPU). Each test leaves it whole; the last stops it."""
+    return starting["restartable"].result()
+
+
+# -- one port, two processes: read-only checks on a shared server ------------------------
+
+
+def test_both_http_processes_take_connections_on_the_one_port(shared):
+    # Sixteen connections, held open: the kernel hands each to one listening process.
+    sockets = [socket.create_connection(("127.0.0.1", shared.port), timeout=10) for _ in range(16)]
+    try:
+        held: dict[int, int] = {}
+
+        def all_accepted() -> bool:
+            held.clear()
+            for process in http_processes(shared):
+                held[process.pid] = sum(
+                    1
+                    for s in process.net_connections("tcp")
+                    if s.status == psutil.CONN_ESTABLISHED and s.laddr.port == shared.port
+                )
+            return sum(held.values()) == 16
+
+        wait_for(all_accepted, timeout=10)
+        assert len(held) == HTTP_PROCESSES
+        assert all(held.values()), held  # 2 / 2**16 odds that the kernel gave one process all
+        for sock in sockets:  # and each process answers on the connections it holds
+            sock.sendall(b"GET /livez HTTP/1.1\r\nHost: texel\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def test_the_http_processes_count_themselves_in_metrics(shared):
+    # Each read may land on either process; both show the sum over processes.
+    assert [shared.metric("texel_http_processes") for _ in range(4)] == [HTTP_PROCESSES] * 4
+
+
+def test_requests_answered_by_either_process_add_up_in_metrics(shared):
+    before = recognized(shared)
+    responses = recognize_many(shared, 12)
+    assert [r.status_code for r in responses] == [200] * 12
+    assert len({r.json()["latex"] for r in responses}) == 1  # same picture, same answer
+    assert [recognized(shared) - before for _ in range(4)] == [12] * 4
+
+
+def test_bad_input_is_refused_alike_by_either_process(shared):
+    before = shared.metric("texel_requests_rejected_total", reason="invalid")
+    bad = [
+        httpx.post(shared.url + "/recognize", files={"image": ("f.png", b"not a picture")})
+        for _ in range(6)
+    ]
+    assert {(r.status_code, error_code(r)) for r in bad} == {(415, "unsupported_image")}
+    assert shared.metric("texel_requests_rejected_total", reason="invalid") - before == 6
+
+
+def test_a_model_that_failed_to_load_is_reported_failed_by_either_process(shared):
+    for _ in range(6):  # new connections: either process may answer
+        status, body = readiness(shared)
+        assert status == 503 and body["models"] == {"formula": "ready", "image": "failed"}
+        image = httpx.post(shared.url + "/generate", json={"prompt": "x"})
+        assert image.status_code == 503 and error_code(image) == "model_failed"
+    assert [r.status_code for r in recognize_many(shared, 6)] == [200] * 6
+
+
+def _idle_connection_closed(server: ServerProcess, idle_s: float) -> bool:
+    """Whether the server closes a kept-alive connection left idle for `idle_s`."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    try:
+        connection.request("GET", "/livez")
+        first = connection.getresponse()
+        first.read()
+        assert first.status == 200 and not first.will_close
+        time.sleep(idle_s)
+        try:
+            connection.request("GET", "/livez")
+            return connection.getresponse().status != 200
+        except (http.client.RemoteDisconnected, ConnectionError):
+            return True
+    finally:
+        connection.close()
+
+
+def test_http_processes_close_idle_connections_after_the_keep_alive_setting(shared):
+    # TEXEL_ADVANCED__KEEP_ALIVE_S=1 here; uvicorn's own default would keep them 5 s.
+    assert _idle_connection_closed(shared, 2.5)
+
+
+# -- processes that die, and a stop: on the restartable server -------------------------
+
+
+def generate(server: ServerProcess) -> httpx.Response:
+    return httpx.post(server.url + "/generate", json=WAITING, timeout=60)
+
+
+def test_readyz_is_503_until_the_engine_has_every_model_ready_then_200(restartable):
+    *loading, (status, ready) = restartable.startup_readiness
+    for status_before, body in loading:
+        assert status_before == 503 and body["ready"] is False, body
+        assert set(body["models"]) == {"formula", "image"}
+        assert set(body["models"].values()) <= {"unavailable", "loading", "ready"}, body
+        assert set(body["models"].values()) != {"ready"}, body
+    assert status == 200 and ready == {
+        "ready": True,
+        "draining": False,
+        "models": {"formula": "ready", "image": "ready"},
+    }
+
+
+def new_http_process(server: ServerProcess, old: set[int], timeout: float) -> int:
+    """The pid of an HTTP process not in `old`, the moment it listens."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if new := {p.pid for p in http_processes(server)} - old:
+            return new.pop()
+        time.sleep(0.025)
+    raise AssertionError(f"no new HTTP process in {timeout} s:\n{server.log()}")
+
+
+def test_a_killed_http_process_is_replaced_and_no_request_fails_meanwhile(restartable):
+    server = restartable.server
+    wait_whole(server)
+    first = {p.pid for p in http_processes(server)}
+    done = recognized(server)
+    victim = http_processes(server)[0]
+    victim.kill()
+    wait_for(lambda: gone(victim), timeout=10)
+    # Counted out once the launcher has seen it die; what it answered still counts.
+    wait_for(lambda: server.metric("texel_http_processes") == 1, timeout=10)
+    assert recognized(server) == done
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        # The other process answers while the launcher starts a new one...
+        meanwhile = list(pool.map(lambda _: recognize(server), range(6)))
+        # ...which answers from its first connection on: a burst the moment it listens.
+        replacement = new_http_process(server, first, timeout=120)
+        burst = list(pool.map(lambda _: recognize(server), range(16)))
+    statuses = [r.status_code for r in meanwhile + burst]
+    assert statuses == [200] * 22, [r.text for r in meanwhile + burst if r.status_code != 200]
+    wait_whole(server)
+    assert {p.pid for p in http_processes(server)} == first - {victim.pid} | {replacement}
+    assert recognized(server) == done + 22
+    assert re.search(rf"texel-http-\d+ \(pid {victim.pid}\) exited with code -9", server.log(10**7))
+
+
+@pytest.fixture(scope="module")
+def engine_killed(restartable):
+    """Kill the engine while three images wait in its queue, then read /readyz until
+    the launcher's new engine is ready: the old engine's pid, what the clients got and
+    how long after the kill, and every /readyz answer."""
+    server = restartable.server
+    wait_whole(server)
+    engine = engine_process(server)
+    assert engine is not None
+
+    def post() -> tuple[httpx.Response, float]:
+        response = generate(server)
+        return response, time.monotonic()
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(post) for _ in range(3)]
+        wait_for(lambda: server.metric("texel_queue_depth", model="image") == 3)
+        engine.kill()
+        killed_at = time.monotonic()
+        answered = [future.result() for future in futures]
+    return {
+        "old_pid": engine.pid,
+        "responses": [response for response, _ in answered],
+        "waited_s": [at - killed_at for _, at in answered],
+        "readiness": readiness_until_ready(server, timeout=120),
+    }
+
+
+def test_requests_in_a_killed_engine_get_503_engine_unavailable_at_once(engine_killed):
+    for response in engine_killed["responses"]:
+        assert response.status_code == 503, response.text
+        assert error_code(response) == "engine_unavailable"
+        assert response.headers["Retry-After"] == "1"
+    assert max(engine_killed["waited_s"]) < 5
+
+
+def test_readyz_answers_503_while_the_engine_restarts_then_200(engine_killed):
+    *restarting, (status, _) = engine_killed["readiness"]
+    for status_before, body in restarting:
+        assert status_before == 503 and body["ready"] is False, body
+        assert set(body["models"].values()) <= {"unavailable", "loading", "ready"}, body
+        assert set(body["models"].values()) != {"ready"}, body
+    # The new engine takes seconds to start: meanwhile no engine is there at all.
+    assert any("unavailable" in body["models"].values() for _, body in restarting)
+    assert status == 200
+
+
+def test_the_launcher_restarts_a_killed_engine_and_requests_succeed_again(
+    restartable, engine_killed
+):
+    server = restartable.server
+    old = engine_killed["old_pid"]
+    assert f"texel-engine-cpu (pid {old}) exited with code -9" in server.log(10**7)
+    new = engine_process(server)
+    assert new is not None and new.pid != old
+    wait_for(lambda: all(readiness(server)[0] == 200 for _ in range(4)), timeout=30)
+    time.sleep(2 * FOLLOW_S)  # every HTTP process has read the engine's state since
+    assert [r.status_code for r in recognize_many(server, 6)] == [200] * 6
+    image = generate(server)
+    assert image.status_code == 200, image.text
+
+
+# Last: it stops the server the tests above share.
+def test_sigterm_answers_every_accepted_request_then_exits_0_leaving_no_process(restartable):
+    server = restartable.server
+    wait_whole(server)
+    wait_for(lambda: readiness(server)[0] == 200)
+    children = psutil.Process(server.process.pid).children(recursive=True)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(generate, server) for _ in range(3)]
+        wait_for(lambda: server.metric("texel_queue_depth", model="image") == 3)
+        server.process.send_signal(signal.SIGTERM)
+        # For the grace period the processes still listen, and say they drain.
+        wait_for(lambda: readiness(server)[1]["draining"], timeout=GRACE_S)
+        late = generate(server)
+        assert late.status_code == 503 and error_code(late) == "draining"
+        assert [f.result().status_code for f in futures] == [200] * 3
+    assert server.process.wait(GRACE_S + DRAIN_S) == 0
+    wait_for(lambda: all(gone(child) for child in children), timeout=5)
