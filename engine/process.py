@@ -179,10 +179,6 @@ async def _record_memory(device: torch.device, every_s: float = 1.0) -> None:
     """The device's torch-allocator gauges, which only this process can read."""
     from telemetry import metrics
 
-    if device.type != "cuda":
-        return
-    while True:
-        if torch.cuda.is_initialized():
-            metrics.TORCH_ALLOCATED.labels(str(device)).set(torch.cuda.memory_allocated(device))
-            metrics.TORCH_RESERVED.labels(str(device)).set(torch.cuda.memory_reserved(device))
+    while device.type == "cuda":
+        metrics.record_allocator(device)
         await asyncio.sleep(every_s)

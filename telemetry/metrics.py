@@ -12,6 +12,7 @@ prometheus_client keeps none in multiprocess mode.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric, ProcessCollector
@@ -169,6 +170,16 @@ TORCH_RESERVED = Gauge(
     registry=REGISTRY,
     multiprocess_mode="livesum",
 )
+
+
+def record_allocator(device) -> None:
+    """Set the torch-allocator gauges of a CUDA `device` from this process's allocator (an
+    engine process's, which only it can read); nothing for other devices."""
+    torch = sys.modules.get("torch")
+    if torch is None or device.type != "cuda" or not torch.cuda.is_initialized():
+        return
+    TORCH_ALLOCATED.labels(str(device)).set(torch.cuda.memory_allocated(device))
+    TORCH_RESERVED.labels(str(device)).set(torch.cuda.memory_reserved(device))
 
 
 def _resources():

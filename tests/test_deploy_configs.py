@@ -173,7 +173,10 @@ def live_sample_names(server) -> set[str]:
 
 
 def test_dashboard_queries_only_metrics_texel_exports(live_sample_names):
-    resources_source = (ROOT / "telemetry" / "resources.py").read_text()
+    # GPU series come from the resource collector or the engine's allocator gauges.
+    resources_source = "".join(
+        (ROOT / "telemetry" / name).read_text() for name in ("resources.py", "metrics.py")
+    )
     for query in dashboard_queries():
         for name in METRIC_NAME.findall(query):
             if GPU_ONLY.fullmatch(name):

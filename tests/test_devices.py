@@ -56,7 +56,7 @@ def test_an_engine_publishes_its_gpu_allocator_memory(monkeypatch):
     """The torch allocator of a GPU is the engine process's: it sets the device's gauges,
     which every HTTP process's /metrics shows (no GPU here: the allocator is a stand-in)."""
     from telemetry import metrics
-    from telemetry.resources import record_allocator
+    from telemetry.metrics import record_allocator
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1000)
