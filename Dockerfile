@@ -15,6 +15,7 @@ RUN python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.tom
  && pip install --upgrade pip && pip install torch && pip install -r /tmp/requirements.txt
 COPY app ./app
 COPY batching ./batching
+COPY engine ./engine
 COPY models ./models
 COPY telemetry ./telemetry
 RUN pip install --no-deps .

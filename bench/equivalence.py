@@ -33,7 +33,7 @@ def decode_all(recognizer: FormulaRecognizer, device, items: list, batch_size: i
     texts: list[str] = []
     for start in range(0, len(items), batch_size):
         tokens = run(items[start : start + batch_size], lambda: False)
-        texts += [recognizer.detokenize(t) for t in tokens]
+        texts += [recognizer.detokenize(t).latex for t in tokens]
     return texts
 
 
@@ -64,7 +64,7 @@ class _Arrivals:
 def stream_all(recognizer: FormulaRecognizer, device, items: list, wave: int) -> list[str]:
     arrivals = _Arrivals(items, wave)
     recognizer.runner(device).stream(arrivals)
-    return [recognizer.detokenize(arrivals.answers[i]) for i in range(len(items))]
+    return [recognizer.detokenize(arrivals.answers[i]).latex for i in range(len(items))]
 
 
 def compare(name: str, left: list[str], right: list[str], **extra) -> dict:

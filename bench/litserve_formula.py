@@ -48,7 +48,7 @@ class FormulaAPI(ls.LitAPI):
         return list(output)
 
     def encode_response(self, output):
-        return {"latex": self.recognizer.detokenize(output)}
+        return {"latex": self.recognizer.detokenize(output).latex}
 
 
 def main() -> None:

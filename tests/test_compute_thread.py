@@ -71,11 +71,10 @@ async def test_a_cpu_engine_loads_warms_up_and_runs_every_model_on_one_thread():
     finally:
         await engine.close()
     steps = [step for step, _ in threads]
-    life = ["open", "load", "warmup"]
-    assert steps == [f"formula.{s}" for s in life] + [f"image.{s}" for s in life] + [
-        "formula.run",
-        "image.run",
+    loading = [
+        f"{key}.{step}" for key in ("formula", "image") for step in ("open", "load", "warmup")
     ]
+    assert steps == [*loading, "formula.run", "image.run"]
     idents = {ident for _, ident in threads}
     assert len(idents) == 1, "one compute thread for the CPU"
     assert threading.get_ident() not in idents, "none of it on the event loop's thread"

@@ -1,4 +1,5 @@
-"""The compose stack's configuration files (deploy/compose) are valid and match Texel.
+"""The deployment files (the Dockerfile, deploy/compose, deploy/kubernetes) are valid and
+match Texel.
 
 Docker is not needed: each file is parsed, the Prometheus config is checked by the
 real `promtool`, and the dashboard's queries are held against a live `/metrics`.
@@ -25,6 +26,7 @@ STAGES = {"http.parse", "preprocess", "tokenize", "queue.wait", "generate", "pos
 # Exported only where NVML or CUDA sees a GPU, so absent from a CPU machine's scrape.
 GPU_ONLY = re.compile(r"texel_(gpu|torch)_\w+")
 METRIC_NAME = re.compile(r"\btexel_\w+")
+SETTING_NAME = re.compile(r"\bTEXEL_[A-Z0-9_]*[A-Z0-9]\b")
 
 
 def yaml_files() -> list[Path]:
@@ -85,6 +87,40 @@ def test_compose_runs_texel_prometheus_jaeger_and_grafana():
             source = volume.split(":")[0]
             if source.startswith("."):
                 assert (COMPOSE / source).exists(), volume
+
+
+def test_the_deployments_set_only_settings_texel_reads():
+    """Texel ignores a TEXEL_* variable it does not know: a renamed or removed setting
+    left in a manifest would silently do nothing."""
+    from app import config_doc
+
+    reference = config_doc.render()
+    files = [
+        ROOT / "Dockerfile",
+        *yaml_files(),
+        *sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml")),
+    ]
+    named = {
+        (path.relative_to(ROOT).as_posix(), name)
+        for path in files
+        for name in SETTING_NAME.findall(path.read_text())
+    }
+    assert {name for _, name in named} >= {"TEXEL_DEVICE", "TEXEL_LOG_FORMAT"}
+    assert sorted((path, name) for path, name in named if f"`{name}`" not in reference) == []
+
+
+def test_the_image_installs_every_package_texel_ships():
+    """The Dockerfile copies the packages pyproject.toml installs, one by one: a package
+    left out is missing from the image, and `texel serve` fails to import it."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    shipped = {
+        pattern.rstrip("*")
+        for pattern in project["tool"]["setuptools"]["packages"]["find"]["include"]
+    }
+    copied = set(re.findall(r"^COPY (\w+) \./\1$", (ROOT / "Dockerfile").read_text(), re.M))
+    assert shipped == copied
 
 
 def test_prometheus_config_passes_promtool(promtool):
@@ -173,15 +209,15 @@ def live_sample_names(server) -> set[str]:
 
 
 def test_dashboard_queries_only_metrics_texel_exports(live_sample_names):
-    # GPU series come from the resource collector or the engine's allocator gauges.
-    resources_source = "".join(
+    # NVML's gauges are named in the resource collector, the torch allocator's in metrics.
+    telemetry_source = "".join(
         (ROOT / "telemetry" / name).read_text() for name in ("resources.py", "metrics.py")
     )
     for query in dashboard_queries():
         for name in METRIC_NAME.findall(query):
             if GPU_ONLY.fullmatch(name):
-                # Not in a CPU scrape: it must at least be the name the collector exports.
-                assert f'"{name}"' in resources_source, (name, query)
+                # Not in a CPU scrape: it must at least be a name Texel exports.
+                assert f'"{name}"' in telemetry_source, (name, query)
             else:
                 assert name in live_sample_names, (name, query)
 

@@ -158,7 +158,8 @@ def served_runner(
 
     target = torch.device(device)
     recognizer = FormulaRecognizer(str(model_dir), [target], dtype=dtype, bucket_step=bucket_step)
-    recognizer.load()
+    recognizer.open()
+    recognizer.load(target)
     recognizer.warmup(target, batch_size)
     return recognizer, recognizer.runner(target)
 
@@ -196,7 +197,7 @@ def recognize_served(
     for indices in width_batches([item.width for item in items], batch_size):
         batch = [items[i] for i in indices]
         for i, tokens in zip(indices, run(batch, lambda: False), strict=True):
-            out[i] = recognizer.detokenize(tokens)
+            out[i] = recognizer.detokenize(tokens).latex
     return out
 
 
