@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import http.client
 import io
 import struct
+import time
 import zlib
 
 import httpx
@@ -279,3 +281,22 @@ def test_unknown_routes_get_a_json_404(server):
     response = httpx.get(server.url + "/nope")
     assert response.status_code == 404
     assert error_of(response) == "not_found"
+
+
+# -- connections --------------------------------------------------------------------
+
+
+def test_an_idle_connection_stays_open_past_uvicorns_own_keep_alive(server):
+    """uvicorn closes a connection idle for 5 s, which clients and proxies still count
+    as open; Texel keeps it TEXEL_ADVANCED__KEEP_ALIVE_S (75 s by default)."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    try:
+        connection.request("GET", "/livez")
+        first = connection.getresponse()
+        first.read()
+        assert first.status == 200 and not first.will_close
+        time.sleep(6)
+        connection.request("GET", "/livez")  # on the same socket: it would fail if closed
+        assert connection.getresponse().status == 200
+    finally:
+        connection.close()

@@ -20,6 +20,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import psutil
@@ -402,19 +403,24 @@ def test_the_launcher_restarts_a_killed_engine_and_requests_succeed_again(
 
 
 # Last: it stops the server the tests above share.
-def test_sigterm_answers_every_accepted_request_then_exits_0_leaving_no_process(restartable):
+def test_sigterm_answers_every_accepted_request_then_exits_0_leaving_nothing_behind(restartable):
     server = restartable.server
     wait_whole(server)
     wait_for(lambda: readiness(server)[0] == 200)
     children = psutil.Process(server.process.pid).children(recursive=True)
+    # The launcher's directory: the engine's socket and the metrics of every process.
+    workdir = Path(engine_process(server).environ()["PROMETHEUS_MULTIPROC_DIR"]).parent
+    assert (workdir / "engine-0.sock").exists()
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(generate, server) for _ in range(3)]
         wait_for(lambda: server.metric("texel_queue_depth", model="image") == 3)
         server.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
         # For the grace period the processes still listen, and say they drain.
         wait_for(lambda: readiness(server)[1]["draining"], timeout=GRACE_S)
         late = generate(server)
         assert late.status_code == 503 and error_code(late) == "draining"
         assert [f.result().status_code for f in futures] == [200] * 3
-    assert server.process.wait(GRACE_S + DRAIN_S) == 0
+    assert server.process.wait(signalled + GRACE_S + DRAIN_S - time.monotonic()) == 0
     wait_for(lambda: all(gone(child) for child in children), timeout=5)
+    assert not workdir.exists()
