@@ -134,8 +134,11 @@ def run_engine(
     from telemetry import setup_logging, setup_tracing, shutdown_tracing
 
     exit_with_parent(parent_pid)
+    # Ctrl-C in a terminal reaches every process of the group at once; the engine stops
+    # only when the launcher says so, after the HTTP processes have finished.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_logging(log_format, log_level)
-    setup_tracing(max_batch_size=max(plan.max_batch_size for plan in plans))
+    setup_tracing(max_batch_size=max((plan.max_batch_size for plan in plans), default=1))
     try:
         asyncio.run(_serve(torch.device(device), plans, path, drain_timeout_s))
     finally:
@@ -154,8 +157,7 @@ async def _serve(device: torch.device, plans: list[ModelPlan], path: str, drain_
     engine = Engine(device, plans)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
     server = await asyncio.start_unix_server(EngineServer(engine).connection, path=path)
     log.info("engine on %s listens on %s", device, path)
     loading = engine.start()
