@@ -74,7 +74,6 @@ def scrape(url: str) -> dict[str, float]:
         "texel_stage_duration_seconds_count",
         "texel_request_duration_seconds_sum",
         "texel_request_duration_seconds_count",
-        "texel_forwarded_requests_total",
         "texel_gc_pause_seconds_sum",
         "texel_gc_pause_seconds_count",
     )
@@ -99,9 +98,6 @@ def scrape(url: str) -> dict[str, float]:
         elif name.startswith("texel_stage_duration"):  # one series per stage
             stage = line.split('stage="', 1)[1].split('"', 1)[0]
             name = name.replace("texel_stage_duration_seconds", f"stage:{stage}")
-        elif name == "texel_forwarded_requests_total":  # one series per HTTP process
-            process = line.split('process="', 1)[1].split('"', 1)[0]
-            name = f"forwarded:{process}"
         values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return values
 
@@ -121,16 +117,6 @@ def texel_extras(before: dict[str, float], after: dict[str, float]) -> dict:
     if request_ms is not None:  # what the stages do not cover: HTTP, event-loop waits
         covered = sum(v for v in stage_ms.values() if v is not None)
         stage_ms["unaccounted"] = round(request_ms * 1000 - covered, 2)
-    # How the kernel spread the requests over the HTTP processes: the share each of the
-    # others handed to the serving process (which answered the rest itself).
-    requests = after.get("texel_request_duration_seconds_count", 0) - before.get(
-        "texel_request_duration_seconds_count", 0
-    )
-    forwarded = {
-        key.split(":", 1)[1]: round((after[key] - before.get(key, 0)) / requests, 3)
-        for key in sorted(after)
-        if key.startswith("forwarded:") and requests
-    }
     # Where the tail is: each stage's p99, and the server's own p99 of whole requests
     # (against the client's, what the network and the client add).
     p99_ms = {
@@ -151,7 +137,6 @@ def texel_extras(before: dict[str, float], after: dict[str, float]) -> dict:
         "gc_pauses": int(gc_count),
         "gc_pause_mean_ms": rounded(mean("texel_gc_pause_seconds"), 1000, 2),
         "gc_pause_p99_ms": rounded(quantile(0.99, "gc_pause", before, after), 1000, 2),
-        "forwarded_share": forwarded or None,
     }
 
 

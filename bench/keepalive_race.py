@@ -4,7 +4,7 @@ sees as a `ReadError` or `RemoteProtocolError` (no answer). The bench clients id
 between warm-up and measurement, while the slowest clients finish.
 
     python -m bench.keepalive_race --idle 5 --clients 32 --rounds 6
-    TEXEL_KEEP_ALIVE_S=5 python -m bench.keepalive_race --idle 5   # uvicorn's default
+    TEXEL_ADVANCED__KEEP_ALIVE_S=5 python -m bench.keepalive_race --idle 5   # uvicorn's default
 """
 
 from __future__ import annotations

@@ -6,10 +6,9 @@ Texel is started as `texel serve` with the real formula model loaded, but its ba
 computation replaced by a canned answer (`--instant`, see `serve_instant` below), so
 what remains is everything a request costs besides the model: HTTP, JSON and base64,
 image decoding, the batcher, tracing, metrics and logging. The figure that matters on
-a GPU is CPU milliseconds per request in the serving process (and its preprocessing
-workers): that work shares one interpreter lock with the GPU workers, and the H200
-runs showed it starving them (README, Benchmarks). Each configuration runs in a fresh
-server; the table lists requests/s and CPU ms per request. Throughput on a 2-core
+a GPU is CPU milliseconds per request in the HTTP process (bench/RESULTS.md). The
+server runs as one process (the canned answer is patched into it, not into engine
+processes it would spawn). Each configuration runs in a fresh server; the table lists requests/s and CPU ms per request. Throughput on a 2-core
 machine is bounded by the client sharing it; CPU per request is not.
 """
 
@@ -34,7 +33,6 @@ CONFIGS = {
         "OTEL_TRACES_SAMPLER_ARG": "0.01",
     },
     "tracing SDK off (OTEL_SDK_DISABLED=true)": {"OTEL_SDK_DISABLED": "true"},
-    "2 HTTP processes": {"TEXEL_HTTP_PROCESSES": "2"},
 }
 
 
@@ -43,20 +41,21 @@ def serve_instant(host: str, port: int) -> None:
     the recognizer's public `runner` (what the batcher calls per device) is replaced;
     warm-up still runs the model."""
     from app.cli import serve
+    from models.base import DeviceRunner
     from models.formula import adapter
 
     def instant_runner(self, device):
         def run(batch, should_stop):
             return [adapter.FormulaTokens([10, 11, 12, 13] * 12, 1e-5) for _ in batch]
 
-        return run  # no `stream`: whole batches, as TEXEL_FORMULA__CONTINUOUS=false asks
+        return DeviceRunner(run)  # no stream: whole batches
 
     adapter.FormulaRecognizer.runner = instant_runner
     serve(host, port)
 
 
 def cpu_seconds(process: psutil.Process) -> tuple[float, float]:
-    """User + system CPU of the serving process, and of its children (preprocessing workers)."""
+    """User + system CPU of the server's process, and of its children."""
     own = sum(process.cpu_times()[:2])
     children = 0.0
     for child in process.children(recursive=True):
@@ -69,7 +68,7 @@ def cpu_seconds(process: psutil.Process) -> tuple[float, float]:
 
 def measure(env: dict[str, str], args, images: list[bytes]) -> dict:
     # Whole batches: the canned answer replaces a batch's decode, not a stream's.
-    env = {"TEXEL_FORMULA__CONTINUOUS": "false", **env}
+    env = {"TEXEL_FORMULA__ADVANCED__CONTINUOUS": "false", **env}
     env = {**env, "TEXEL_IMAGE__ENABLED": "false", "TEXEL_FORMULA__MAX_QUEUE": "4096"}
     server = ServerProcess(env, entry=("bench.serving_cost", "--instant"))
     try:
@@ -77,11 +76,9 @@ def measure(env: dict[str, str], args, images: list[bytes]) -> dict:
         workload = json_workload("/recognize", images)
         closed_loop_processes(server.url, workload, args.concurrency, args.warmup, 0.5, 1)
         process = psutil.Process(server.process.pid)
-        forwarded_before = server.metric("texel_forwarded_requests_total")
         own_before, children_before = cpu_seconds(process)
         result = closed_loop_processes(server.url, workload, args.concurrency, args.duration, 0, 1)
         own_after, children_after = cpu_seconds(process)
-        forwarded = server.metric("texel_forwarded_requests_total") - forwarded_before
     finally:
         server.stop()
     summary = result.summary()
@@ -90,7 +87,6 @@ def measure(env: dict[str, str], args, images: list[bytes]) -> dict:
         "throughput_rps": summary["throughput_rps"],
         "requests": summary["requests"],
         "errors": summary["errors"],
-        "forwarded": forwarded,
         "server_cpu_ms_per_request": round((own_after - own_before) * per_request, 3),
         "worker_cpu_ms_per_request": round((children_after - children_before) * per_request, 3),
     }
@@ -117,7 +113,7 @@ def main() -> None:
         return
     images = formula_images(args.data, args.images)
     print(f"{machine()}; commit {commit()}; concurrency {args.concurrency}, {args.duration:g} s\n")
-    print("| configuration | requests/s | CPU ms per request: serving process | workers |")
+    print("| configuration | requests/s | CPU ms per request: server process | children |")
     print("|---|---|---|---|")
     for name in args.only:
         env = CONFIGS[name]

@@ -195,7 +195,7 @@ def main() -> None:
         "--bucket-width",
         type=int,
         default=None,
-        help="the server's TEXEL_FORMULA__BUCKET_WIDTH (default: the server's)",
+        help="the server's TEXEL_FORMULA__ADVANCED__BUCKET_WIDTH (default: the server's)",
     )
     parser.add_argument(
         "--admission",

@@ -45,18 +45,6 @@ def make_current(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
-def start_worker(adapter_class, options: dict, device: str, max_batch_size: int):
-    """In a worker process (`ProcessRunner`'s build): make `device` current, load the
-    adapter's model there and warm it up; its batch runner, and the `worker_info` the
-    serving process's adapter takes in `attach_worker`."""
-    target = torch.device(device)
-    make_current(target)
-    adapter = adapter_class(devices=[target], **options)
-    adapter.load()
-    adapter.warmup(target, max_batch_size)
-    return adapter.runner(target), adapter.worker_info(target)
-
-
 def resolve_dtype(
     setting: str, device: torch.device, half: torch.dtype, cpu_half: torch.dtype | None = None
 ) -> torch.dtype:

@@ -224,8 +224,8 @@ class FormulaInput:
 class FormulaPreprocessor:
     """Upload bytes to a `FormulaInput`: decode, strip, bucket.
 
-    Plain data and a module of numpy and PIL only, so it pickles into a worker
-    process (`TEXEL_PREPROCESS_PROCESSES`) without torch or the model.
+    Plain data and a module of numpy and PIL only: it runs in an HTTP process, which
+    holds no model.
     """
 
     spec: FormulaImageSpec
