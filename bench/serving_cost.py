@@ -8,7 +8,8 @@ what remains is everything a request costs besides the model: HTTP, JSON and bas
 image decoding, the batcher, tracing, metrics and logging. The figure that matters on
 a GPU is CPU milliseconds per request in the HTTP process (bench/RESULTS.md). The
 server runs as one process (the canned answer is patched into it, not into engine
-processes it would spawn). Each configuration runs in a fresh server; the table lists requests/s and CPU ms per request. Throughput on a 2-core
+processes it would spawn). Each configuration runs in a fresh server; the table lists
+requests/s and CPU ms per request. Throughput on a 2-core
 machine is bounded by the client sharing it; CPU per request is not.
 """
 

@@ -269,7 +269,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--bucket-width",
         type=int,
         default=BUCKET_STEP,
-        help="padded widths are multiples of this (the server's TEXEL_FORMULA__ADVANCED__BUCKET_WIDTH)",
+        help="padded widths are multiples of this "
+        "(the server's TEXEL_FORMULA__ADVANCED__BUCKET_WIDTH)",
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
