@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
-
 
 class BatchingError(Exception):
     """Base class: a request was refused or failed inside the batcher."""
@@ -26,9 +24,6 @@ class QueueFull(BatchingError):
         )
         self.retry_after_s = retry_after_s
         self.waiting = waiting
-
-    def __reduce__(self):  # crosses process boundaries (HTTP processes, worker processes)
-        return (type(self), (self.waiting, self.retry_after_s))
 
 
 class DeadlineExceeded(BatchingError):
@@ -59,12 +54,3 @@ class OutOfMemory(Exception):
     The batcher splits the batch in halves and retries each; a single request
     that still does not fit fails with `BatchFailed`.
     """
-
-
-def picklable(exc: BaseException) -> BaseException:
-    """`exc` if it survives a trip to another process, else a `BatchFailed` saying what it was."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:
-        return BatchFailed(f"{type(exc).__name__}: {exc}")

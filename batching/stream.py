@@ -33,8 +33,8 @@ from typing import Any, Protocol
 from batching.queue import Pending
 
 # Keys of taken requests, unique in the process for good: `id()` of a finished request is
-# soon another's, and a late message about the old one (a cancel crossing its answer on
-# a worker process's pipe) must not touch the new one.
+# soon another's, and a late word about the old one (a cancel crossing its answer) must
+# not touch the new one.
 _keys = itertools.count()
 
 
