@@ -9,7 +9,11 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-CACHE=${TEXEL_BACKENDS_CACHE:-$ROOT/.cache/backends}
+# One copy per user, shared by every checkout (a fresh clone reuses it); in the
+# checkout itself where there is no home.
+if [[ -n ${HOME:-} ]]; then DEFAULT_CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/texel/backends
+else DEFAULT_CACHE=$ROOT/.cache/backends; fi
+CACHE=${TEXEL_BACKENDS_CACHE:-$DEFAULT_CACHE}
 DEST=$CACHE/prometheus
 BIN=$DEST/usr/bin
 
