@@ -79,7 +79,7 @@ async def _handle(request: Request, route: str, key: str, flow) -> Response:
     with _Observed(route, key) as observed:
         trace: RequestTrace | None = None
         try:
-            model = runtime.model(key)
+            model = await runtime.ready_model(key)
             trace = RequestTrace(model.name, model.operation)
             response = await flow(runtime, model.name, trace)
             observed.finish(response.status_code, trace.trace_id)

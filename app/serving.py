@@ -102,7 +102,12 @@ class Runtime:
         for engine in self.engines:
             try:
                 _, models = await engine.states() if engine.connected else (False, {})
-            except (EngineUnavailable, TimeoutError):
+            except TimeoutError:
+                # Connected but slow to answer (a busy machine): what it said last stands;
+                # a lost connection is what makes its models unavailable.
+                log.warning("engine %s did not report its state in time", engine.name)
+                continue
+            except EngineUnavailable:
                 models = {}
             for key in self.models:
                 state = models.get(key, ModelState("unavailable"))
@@ -166,6 +171,13 @@ class Runtime:
         """The `model` label of a task's metrics: the served model's name."""
         model = self.models.get(key)
         return model.name if model is not None else key
+
+    async def ready_model(self, key: str) -> Model:
+        """`model(key)`, reading the engines' states first if the last reading did not
+        find it ready (it may be up to `FOLLOW_S` old)."""
+        if key in self.models and self.model_state(key)[0] != "ready" and not self.draining:
+            await self.refresh()
+        return self.model(key)
 
     def model(self, key: str) -> Model:
         """The request side of model `key`, if it is served and ready."""
