@@ -48,6 +48,7 @@ class Runtime:
     # Per model, its state in each engine, as last read; and what is in flight per engine.
     states: dict[str, dict[str, ModelState]] = field(default_factory=dict)
     _attached: set[str] = field(default_factory=set)
+    _opening: dict[str, str] = field(default_factory=dict)  # models that failed to open
     _load: dict[str, float] = field(default_factory=dict)
     _inflight: int = 0
     _tasks: list[asyncio.Task] = field(default_factory=list)
@@ -61,7 +62,6 @@ class Runtime:
         threads = self.settings.advanced.preprocess_threads or usable_cores()
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="texel-http")
         self.states = {key: {} for key in self.models}
-        self._opening: dict[str, str] = {}
         for key, model in self.models.items():
             try:
                 await loop.run_in_executor(self.pool, model.open)

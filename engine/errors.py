@@ -25,12 +25,10 @@ __all__ = [
 ]
 
 
-class EngineError(Exception):
-    code = "engine_error"
+class EngineError(BatchingError):
+    """The engine itself, not its batcher, gave the request no output."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
+    code = "engine_error"
 
 
 class NotReady(EngineError):
