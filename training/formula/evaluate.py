@@ -7,11 +7,19 @@ Images go through the server's preprocessing and are decoded greedily in
 width-sorted batches padded to the server's bucket widths. Scores are computed
 on `latex_tokens` (commands, escaped symbols, single characters), so spacing
 never counts. Prints a markdown table.
+
+    python -m training.formula.evaluate --served --variants --limit 120 --threads 2
+
+scores the same formulas once per picture variant (`VARIANTS`: sizes, JPEG, dark
+mode, colours, margins, rotation, contrast), each variant's bytes going through
+the server's adapter as an upload would, with the preprocessing time per image.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import io
 import math
 import statistics
 import time
@@ -22,9 +30,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image, ImageOps
 
 from models.devices import resolve_dtype
-from models.formula.preprocess import FormulaImageSpec
+from models.formula.preprocess import FormulaImageSpec, FormulaPreprocessor
 from training.formula.data import (
     BUCKET_STEP,
     load_strip,
@@ -192,13 +201,100 @@ def recognize_served(
     adapter: its image decoding, its decoder (the static one where it applies) in the
     dtype `TEXEL_DTYPE=dtype` gives, batches of similar width as its batcher merges them."""
     recognizer, run = served_runner(model_dir, device, dtype, batch_size, bucket_step)
-    items = [recognizer.preprocess(data) for data in images]
+    return transcribe(recognizer, run, recognizer.preprocessor, images, batch_size)[0]
+
+
+def transcribe(
+    recognizer, run, preprocessor: FormulaPreprocessor, images: Sequence[bytes], batch_size: int
+) -> tuple[list[str], list[float]]:
+    """Transcriptions of uploads by a loaded recognizer's runner, each upload preprocessed
+    by `preprocessor`, and the preprocessing wall time of each in milliseconds."""
+    items, times = [], []
+    for data in images:
+        start = time.perf_counter()
+        items.append(preprocessor(data))
+        times.append((time.perf_counter() - start) * 1000)
     out = [""] * len(items)
     for indices in width_batches([item.width for item in items], batch_size):
         batch = [items[i] for i in indices]
         for i, tokens in zip(indices, run(batch, lambda: False), strict=True):
             out[i] = recognizer.detokenize(tokens).latex
-    return out
+    return out, times
+
+
+def _png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _jpeg(image: Image.Image, quality: int) -> bytes:
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+def _resized(image: Image.Image, factor: float) -> Image.Image:
+    size = (max(1, round(image.width * factor)), max(1, round(image.height * factor)))
+    resample = Image.Resampling.BICUBIC if factor > 1 else Image.Resampling.BOX
+    return image.resize(size, resample)
+
+
+def _recoloured(image: Image.Image, ink: tuple[int, int, int], paper: tuple[int, int, int]):
+    """Dark ink drawn as `ink` on `paper`, anti-aliasing kept (a linear map of gray)."""
+    coverage = 1.0 - np.asarray(image.convert("L"), dtype=np.float32)[..., None] / 255.0
+    rgb = np.asarray(paper, np.float32) + coverage * (
+        np.asarray(ink, np.float32) - np.asarray(paper, np.float32)
+    )
+    return Image.fromarray(np.clip(np.rint(rgb), 0, 255).astype(np.uint8), "RGB")
+
+
+def _rotated(image: Image.Image, degrees: float) -> Image.Image:
+    return image.convert("RGB").rotate(
+        degrees, Image.Resampling.BICUBIC, expand=True, fillcolor=(255, 255, 255)
+    )
+
+
+# The pictures of issue 25's table, from an im2latex image (dark ink on white, RGB).
+# Larger sizes are bicubic upsamplings, so they are blurrier than a real HiDPI render.
+VARIANTS = {
+    "as rendered": _png,
+    "twice the size": lambda im: _png(_resized(im, 2)),
+    "three times the size": lambda im: _png(_resized(im, 3)),
+    "half the size": lambda im: _png(_resized(im, 0.5)),
+    "JPEG quality 55": lambda im: _jpeg(im, 55),
+    "dark mode (inverted)": lambda im: _png(ImageOps.invert(im.convert("RGB"))),
+    "dark mode, grey on charcoal": lambda im: _png(_recoloured(im, (222, 222, 222), (40, 42, 54))),
+    "blue ink": lambda im: _png(_recoloured(im, (20, 60, 200), (255, 255, 255))),
+    "tinted background": lambda im: _png(_recoloured(im, (40, 30, 20), (250, 240, 200))),
+    "wide margins": lambda im: _png(ImageOps.expand(im.convert("RGB"), 120, (255, 255, 255))),
+    "rotated 2°": lambda im: _png(_rotated(im, 2)),
+    "low contrast": lambda im: _png(_recoloured(im, (150, 150, 150), (225, 225, 225))),
+}
+
+
+def variants_table(
+    recognizer,
+    run,
+    preprocessor: FormulaPreprocessor,
+    originals: Sequence[Image.Image],
+    references: Sequence[str],
+    batch_size: int,
+) -> str:
+    """Scores and preprocessing time per picture variant, as a markdown table."""
+    lines = [
+        "| picture | BLEU-4 | edit distance | exact | preprocess ms (median / max) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, make in VARIANTS.items():
+        uploads = [make(image) for image in originals]
+        hypotheses, times = transcribe(recognizer, run, preprocessor, uploads, batch_size)
+        s = score(references, hypotheses)
+        lines.append(
+            f"| {name} | {s.bleu4:.3f} | {s.edit_distance:.3f} | {s.exact_match:.1%} "
+            f"| {statistics.median(times):.1f} / {max(times):.1f} |"
+        )
+    return "\n".join(lines)
 
 
 @torch.inference_mode()
@@ -294,6 +390,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--by-length", action="store_true", help="also score by reference length in tokens"
     )
+    parser.add_argument(
+        "--variants",
+        action="store_true",
+        help="score every picture variant of VARIANTS through the server's adapter",
+    )
+    parser.add_argument(
+        "--keep-scale",
+        action="store_true",
+        help="with --variants: preprocess without bringing pictures to the training scale "
+        "(the spec's stroke_width unset), to measure that step",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -303,8 +410,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     chosen = {"dev": dev, "train": train, "all": samples}[args.split]
     if args.limit:
         chosen = chosen[: args.limit]
-    model, tokenizer, spec = load_model(args.model, args.device, args.dtype)
     images_dir = Path(args.data) / "images"
+    if args.variants:
+        recognizer, run = served_runner(
+            args.model, args.device, args.dtype, args.batch_size, args.bucket_width
+        )
+        preprocessor = recognizer.preprocessor
+        if args.keep_scale:
+            spec = dataclasses.replace(preprocessor.spec, stroke_width=None)
+            preprocessor = dataclasses.replace(preprocessor, spec=spec)
+        originals = [Image.open(images_dir / s.name).convert("RGB") for s in chosen]
+        references = [s.formula for s in chosen]
+        print(variants_table(recognizer, run, preprocessor, originals, references, args.batch_size))
+        return
+    model, tokenizer, spec = load_model(args.model, args.device, args.dtype)
     if args.served:  # the server's adapter decodes the image files itself, in the timing
         images = [(images_dir / s.name).read_bytes() for s in chosen]
         start = time.perf_counter()
