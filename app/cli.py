@@ -1,4 +1,4 @@
-"""The `texel` command: `texel serve`, `texel diagnose`."""
+"""The `texel` command: `texel serve`, `texel recognize PATH...`, `texel diagnose`."""
 
 from __future__ import annotations
 
@@ -77,9 +77,43 @@ def main(argv: list[str] | None = None) -> None:
     diagnose_cmd.add_argument("--url", default="http://127.0.0.1:8000")
     diagnose_cmd.add_argument("--window", type=float, default=10.0, help="seconds to sample")
     diagnose_cmd.add_argument("--api-key", default=None)
+    recognize_cmd = commands.add_parser(
+        "recognize",
+        help="formula images to LaTeX, one JSON line each (through a server, or in this process)",
+    )
+    recognize_cmd.add_argument("paths", nargs="+", metavar="PATH", help="images or folders")
+    recognize_cmd.add_argument(
+        "--out", default=None, help="JSON lines file; images already in it are skipped"
+    )
+    recognize_cmd.add_argument(
+        "--url", default=None, help="a running server; without it the model runs in-process"
+    )
+    recognize_cmd.add_argument("--api-key", default=None)
+    recognize_cmd.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="images in flight (default: 16 to a server, the formula batch size in-process)",
+    )
+    recognize_cmd.add_argument(
+        "--retry-failed", action="store_true", help="send again the images whose line is an error"
+    )
     args = parser.parse_args(argv)
     if args.command == "serve":
         serve(args.host, args.port)
+    elif args.command == "recognize":
+        from app.recognize_cli import run
+
+        sys.exit(
+            run(
+                args.paths,
+                out=args.out,
+                url=args.url,
+                api_key=args.api_key,
+                concurrency=args.concurrency,
+                retry_failed=args.retry_failed,
+            )
+        )
     elif args.command == "diagnose":
         sys.exit(diagnose(args.url, args.window, args.api_key))
     else:  # pragma: no cover - argparse enforces the choices

@@ -1,0 +1,292 @@
+"""`texel recognize`: every formula image in some files and folders to LaTeX, one JSON
+line per image.
+
+The images go through a running server (`--url`) or, without one, through an engine in
+this process with the formula model only: `LocalEngine` behind the same `Runtime` that a
+one-process server answers with, so an image gives the same LaTeX, or the same error
+code, either way. Lines already in the output file are skipped, so a run that was
+interrupted picks up where it stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+# What a folder is searched for; a file named on the command line is sent whatever its name.
+IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"})
+RETRIES = 5  # answers of 429 or 503 with Retry-After are tried again this often
+LONGEST_RETRY_WAIT_S = 30.0
+
+
+class RecognizeError(Exception):
+    """Why a whole run cannot go on: no images, no server, no model."""
+
+
+def find_images(paths: Iterable[str | Path]) -> list[Path]:
+    """The files named, and the images under the folders named (recursively), in order
+    and each once."""
+    found: dict[Path, Path] = {}
+    for given in map(Path, paths):
+        if given.is_dir():
+            candidates = sorted(
+                p for p in given.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+            )
+        elif given.exists():
+            candidates = [given]
+        else:
+            raise RecognizeError(f"{given}: no such file or folder")
+        for path in candidates:
+            found.setdefault(path.resolve(), path)
+    return list(found.values())
+
+
+def done_paths(out: Path, retry_failed: bool = False) -> set[Path]:
+    """The images that already have a line in `out`; with `retry_failed`, only those whose
+    last line holds LaTeX. A line cut short by an interruption is not counted."""
+    last: dict[Path, bool] = {}
+    if not out.exists():
+        return set()
+    with out.open() as lines:
+        for line in lines:
+            try:
+                record = json.loads(line)
+                last[Path(record["path"]).resolve()] = "latex" in record
+            except (ValueError, KeyError, TypeError):
+                continue
+    return {path for path, ok in last.items() if ok or not retry_failed}
+
+
+def append_lines(out: Path) -> TextIO:
+    """`out` opened to add lines, after ending a last line an interruption cut short."""
+    cut = False
+    if out.exists() and out.stat().st_size:
+        with out.open("rb") as existing:
+            existing.seek(-1, 2)
+            cut = existing.read(1) != b"\n"
+    sink = out.open("a", encoding="utf-8")
+    if cut:
+        sink.write("\n")
+    return sink
+
+
+def error(code: str, message: str) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message}}
+
+
+class Recognizer(ABC):
+    """Where the images go: `recognize` answers `{"latex", "latex_compact"}` or
+    `{"error": {"code", "message"}}`, never raises for one image."""
+
+    concurrency: int
+
+    async def __aenter__(self) -> Recognizer:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        return None
+
+    @abstractmethod
+    async def recognize(self, data: bytes) -> dict[str, Any]: ...
+
+
+class ServerRecognizer(Recognizer):
+    """A running Texel server's `POST /recognize`."""
+
+    def __init__(self, url: str, api_key: str | None, concurrency: int) -> None:
+        self.url = url.rstrip("/")
+        self.concurrency = concurrency
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = None
+
+    async def __aenter__(self) -> ServerRecognizer:
+        import httpx
+
+        limits = httpx.Limits(max_connections=self.concurrency)
+        self._client = httpx.AsyncClient(headers=self._headers, timeout=120, limits=limits)
+        try:
+            await self._client.get(self.url + "/livez")
+        except httpx.HTTPError as exc:
+            await self._client.aclose()
+            raise RecognizeError(f"could not reach {self.url}: {exc}") from None
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self._client.aclose()
+
+    async def recognize(self, data: bytes) -> dict[str, Any]:
+        import httpx
+
+        for attempt in range(RETRIES + 1):
+            try:
+                response = await self._client.post(
+                    self.url + "/recognize", files={"image": ("image", data)}
+                )
+            except httpx.HTTPError as exc:
+                return error("unreachable", f"{self.url}: {exc}")
+            retry_after = response.headers.get("retry-after")
+            if response.status_code in (429, 503) and retry_after and attempt < RETRIES:
+                await asyncio.sleep(min(float(retry_after), LONGEST_RETRY_WAIT_S))
+                continue
+            break
+        try:
+            body = response.json()
+        except ValueError:
+            body = {}
+        if response.status_code == 200:
+            return {"latex": body["latex"], "latex_compact": body["latex_compact"]}
+        if isinstance(body, dict) and isinstance(body.get("error"), dict):
+            return error(body["error"]["code"], body["error"]["message"])
+        return error("http_error", f"{self.url} answered {response.status_code}")
+
+
+class LocalRecognizer(Recognizer):
+    """The formula model in this process: an `Engine` behind a `LocalEngine`, on the first
+    device of the settings' process plan, with the other models disabled."""
+
+    def __init__(self, settings=None, concurrency: int | None = None) -> None:
+        from app.settings import Settings
+
+        settings = settings or Settings()
+        if "formula" not in settings.models():
+            raise RecognizeError("the formula model is disabled (TEXEL_FORMULA__ENABLED)")
+        others = {
+            key: entry.model_copy(update={"enabled": False})
+            for key, entry in settings.models().items()
+            if key != "formula"
+        }
+        self.settings = settings.model_copy(update=others)
+        self.concurrency = concurrency or self.settings.formula.max_batch_size
+        self.runtime = None
+
+    async def __aenter__(self) -> LocalRecognizer:
+        from app.launcher import ProcessPlan, model_plans, request_models
+        from app.serving import Runtime
+        from engine import Engine, LocalEngine
+
+        devices = ProcessPlan.of(self.settings).devices[:1]
+        engine = LocalEngine(Engine(devices[0], model_plans(self.settings, devices)))
+        self.runtime = Runtime(self.settings, request_models(self.settings, devices), [engine])
+        await self.runtime.start()
+        while (state := self.runtime.model_state("formula"))[0] != "ready":
+            if state[0] == "failed":
+                await self.runtime.close()
+                raise RecognizeError(f"the formula model failed to load: {state[1]}")
+            await asyncio.sleep(0.05)
+            await self.runtime.refresh()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.runtime.drain()
+        await self.runtime.close()
+
+    async def recognize(self, data: bytes) -> dict[str, Any]:
+        from app.errors import to_api_error
+        from telemetry import RequestTrace
+
+        limit = self.settings.max_upload_bytes
+        if not data:
+            return error("malformed_request", "the image is empty")
+        if len(data) > limit:
+            return error("image_too_large", f"the image exceeds {limit} bytes")
+        try:
+            model = self.runtime.model("formula")
+            trace = RequestTrace(model.name, model.operation)
+            recognized, _ = await self.runtime.serve("formula", data, trace)
+        except Exception as exc:
+            failure = to_api_error(exc)
+            return error(failure.code, failure.message)
+        return {"latex": recognized.latex, "latex_compact": recognized.compact}
+
+
+async def recognize_all(
+    images: Sequence[Path], recognizer: Recognizer, out: TextIO, progress: bool = True
+) -> int:
+    """Recognize `images` with up to `recognizer.concurrency` in flight and write a line
+    for each as it is answered (flushed, so an interruption loses nothing written);
+    the number that failed."""
+    from tqdm import tqdm
+
+    queue: asyncio.Queue[Path] = asyncio.Queue()
+    for path in images:
+        queue.put_nowait(path)
+    failed = 0
+    bar = tqdm(total=len(images), unit="image", file=sys.stderr, disable=not progress)
+
+    async def work() -> None:
+        nonlocal failed
+        while not queue.empty():
+            path = queue.get_nowait()
+            try:
+                data = await asyncio.to_thread(path.read_bytes)
+            except OSError as exc:
+                answer = error("unreadable", f"{path}: {exc.strerror or exc}")
+            else:
+                answer = await recognizer.recognize(data)
+            failed += "error" in answer
+            out.write(json.dumps({"path": str(path), **answer}, ensure_ascii=False) + "\n")
+            out.flush()
+            bar.update()
+
+    try:
+        await asyncio.gather(*(work() for _ in range(max(1, recognizer.concurrency))))
+    finally:
+        bar.close()
+    return failed
+
+
+def run(
+    paths: Sequence[str],
+    out: str | None = None,
+    url: str | None = None,
+    api_key: str | None = None,
+    concurrency: int | None = None,
+    retry_failed: bool = False,
+    progress: bool | None = None,
+) -> int:
+    """`texel recognize`: exit status 0 when every image has LaTeX, 1 when some failed
+    (their lines say why), 2 when the run could not start."""
+    try:
+        images = find_images(paths)
+    except RecognizeError as exc:
+        print(f"texel recognize: {exc}", file=sys.stderr)
+        return 2
+    if out is not None:
+        done = done_paths(Path(out), retry_failed)
+        todo = [path for path in images if path.resolve() not in done]
+        if len(todo) < len(images):
+            print(f"{len(images) - len(todo)} images already in {out}", file=sys.stderr)
+    else:
+        todo = images
+    if not todo:
+        if not images:
+            print("texel recognize: no images found", file=sys.stderr)
+            return 2
+        return 0
+    progress = sys.stderr.isatty() if progress is None else progress
+
+    async def main() -> int:
+        recognizer = (
+            ServerRecognizer(url, api_key, concurrency or 16)
+            if url
+            else LocalRecognizer(concurrency=concurrency)
+        )
+        async with recognizer:
+            if out is None:
+                return await recognize_all(todo, recognizer, sys.stdout, progress)
+            with append_lines(Path(out)) as sink:
+                return await recognize_all(todo, recognizer, sink, progress)
+
+    try:
+        failed = asyncio.run(main())
+    except RecognizeError as exc:
+        print(f"texel recognize: {exc}", file=sys.stderr)
+        return 2
+    if failed:
+        print(f"{failed} of {len(todo)} images failed", file=sys.stderr)
+    return 1 if failed else 0
