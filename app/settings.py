@@ -101,6 +101,12 @@ class FormulaSettings(ModelSettings):
 
 
 class ImageAdvanced(BaseModel):
+    continuous: bool = Field(
+        True,
+        description="With a Stable Diffusion pipeline, new requests join a running "
+        "denoising loop at a step boundary and each answer returns as soon as its own "
+        "steps end; off, a batch starts and ends together.",
+    )
     png_compress_level: int = Field(
         1,
         ge=0,
@@ -117,7 +123,11 @@ class ImageSettings(ModelSettings):
     )
     max_batch_size: int = Field(4, ge=1, le=256, description="Largest batch run at once.")
     max_wait_ms: float = Field(
-        20.0, ge=0, description="How long the first request of a bucket waits for company."
+        20.0,
+        ge=0,
+        description="How long the first request of a bucket waits for company before its "
+        "batch runs (a continuous denoising loop starts at once and takes company as it "
+        "runs).",
     )
     max_queue: int = Field(
         64, ge=1, description="Requests waiting for a batch before new ones get 429."
@@ -144,6 +154,7 @@ class ImageSettings(ModelSettings):
             max_steps=self.max_steps,
             max_side=self.max_side,
             compile=self.compile,
+            continuous=self.advanced.continuous,
             png_compress_level=self.advanced.png_compress_level,
         )
 
@@ -155,6 +166,13 @@ class AdvancedSettings(BaseModel):
         description="How long an idle kept-alive connection stays open; keep it longer "
         "than the idle timeout of any proxy in front, so the server never closes a "
         "connection just as a request is sent on it.",
+    )
+    max_connections: int = Field(
+        1000,
+        ge=1,
+        description="Connections one HTTP process holds at once, idle kept-alive ones "
+        "included; a request on one more is answered 503 and its connection closed. Keep "
+        "it above the connections the proxies in front keep open to each process.",
     )
     preprocess_threads: int = Field(
         0, ge=0, description="Threads per HTTP process that decode and encode; 0: one per core."

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import threading
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from batching import Batcher, BatchPolicy, Cancelled, Worker
 from engine import protocol
 from models.image.adapter import GeneratedImages, ImageGenerator, ImageRequest
 
@@ -161,3 +163,130 @@ def test_a_failed_compilation_fails_the_warm_up(tiny_models, monkeypatch):
     generator.load(cpu)
     with pytest.raises(Exception, match="no compiler here"):
         generator.warmup(cpu, max_batch_size=1)
+
+
+# -- step-level batching -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stepped(tiny_models) -> ImageGenerator:
+    """The tiny Stable Diffusion pipeline, warmed up for streams of up to 4 images."""
+    cpu = torch.device("cpu")
+    generator = ImageGenerator(str(tiny_models["image"]), [cpu])
+    generator.open()
+    generator.load(cpu)
+    generator.warmup(cpu, max_batch_size=4)
+    return generator
+
+
+def _jobs(generator: ImageGenerator, *requests: ImageRequest):
+    return [generator.tokenize(generator.preprocess(r)) for r in requests]
+
+
+def _pixels(results) -> list[np.ndarray]:
+    return [image for result in results for image in result.images]
+
+
+def test_texels_denoising_loop_paints_what_the_diffusers_pipeline_paints(stepped):
+    jobs = _jobs(
+        stepped,
+        ImageRequest("a red circle", seed=1, num_images=2),
+        ImageRequest("a blue square", seed=5, guidance_scale=1.0),
+        ImageRequest("a green line", negative_prompt="blurry", seed=9, num_inference_steps=6),
+    )
+    ours = _pixels(stepped.runner(torch.device("cpu"))(jobs, lambda: False))
+    pipeline_only = ImageGenerator(stepped.source, [torch.device("cpu")], continuous=False)
+    pipeline_only.open()
+    pipeline_only.load(torch.device("cpu"))
+    pipeline_only._loops.clear()  # a pipeline Texel does not step itself runs whole
+    theirs = _pixels(pipeline_only._generate("cpu", [j], lambda: False)[0] for j in jobs)
+    assert len(ours) == len(theirs) == 4
+    for a, b in zip(ours, theirs, strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_an_image_is_the_same_alone_in_a_batch_or_joining_a_running_loop(stepped):
+    first, second = _jobs(
+        stepped,
+        ImageRequest("a red circle", seed=11, num_inference_steps=8),
+        ImageRequest("a yellow star", seed=12, num_inference_steps=5, guidance_scale=1.0),
+    )
+    run = stepped.runner(torch.device("cpu"))
+    alone = [_pixels(run([job], lambda: False)) for job in (first, second)]
+    together = _pixels(run([first, second], lambda: False))
+    loop = stepped._loops["cpu"]
+    with torch.inference_mode():
+        early = loop.join(first)
+        for _ in range(3):
+            loop.step([early])
+        late = loop.join(second)  # joins at step 3 of 8, with other steps and no guidance
+        while running := [r for r in (early, late) if not r.done]:
+            loop.step(running)
+        joined = [image for images in loop.decode([early, late]) for image in images]
+    assert np.array_equal(together[0], alone[0][0]) and np.array_equal(together[1], alone[1][0])
+    assert np.array_equal(joined[0], alone[0][0]) and np.array_equal(joined[1], alone[1][0])
+
+
+def test_a_whole_batch_whose_clients_all_went_away_stops_before_decoding(stepped):
+    jobs = _jobs(stepped, ImageRequest("a red circle", seed=1, num_inference_steps=20))
+    steps = []
+
+    def should_stop() -> bool:
+        steps.append(1)
+        return len(steps) > 2
+
+    (outcome,) = stepped.runner(torch.device("cpu"))(jobs, should_stop)
+    assert isinstance(outcome, Cancelled) and len(steps) == 3
+
+
+async def test_requests_join_a_running_denoising_loop_and_leave_when_their_steps_end(stepped):
+    """Through the real batcher: a request sent while another is denoising joins its loop
+    (a batch of two) and, with fewer steps, answers first; both images are the ones each
+    makes alone."""
+    runner = stepped.runner(torch.device("cpu"))
+    assert runner.stream is not None
+    batcher = Batcher("image", [Worker("cpu", runner.run, stream=runner.stream)],
+                      BatchPolicy(max_batch_size=4, max_wait_s=0.5, max_queue=8))  # fmt: skip
+    batcher.start()
+    try:
+        long, short = _jobs(
+            stepped,
+            ImageRequest("a red circle", seed=3, num_inference_steps=60),
+            ImageRequest("a blue square", seed=4, num_inference_steps=3, guidance_scale=1.0),
+        )
+        first = asyncio.ensure_future(batcher.submit(long, bucket=0, cost=1, timeout_s=60))
+        await asyncio.sleep(0.3)  # the loop is running the long request's steps
+        assert not first.done()
+        second = await batcher.submit(short, bucket=1, cost=1, timeout_s=60)
+        assert not first.done(), "the short request waited for the long one"
+        long_result = await first
+    finally:
+        await batcher.close()
+    assert second.batch_size == 2 and len(second.value.step_s) == 3
+    alone = [_pixels(runner([job], lambda: False)) for job in (long, short)]
+    assert np.array_equal(long_result.value.images[0], alone[0][0])
+    assert np.array_equal(second.value.images[0], alone[1][0])
+
+
+async def test_a_request_whose_client_went_away_leaves_the_loop_and_the_others_go_on(stepped):
+    runner = stepped.runner(torch.device("cpu"))
+    batcher = Batcher("image", [Worker("cpu", runner.run, stream=runner.stream)],
+                      BatchPolicy(max_batch_size=4, max_wait_s=0.5, max_queue=8))  # fmt: skip
+    batcher.start()
+    try:
+        kept, dropped = _jobs(
+            stepped,
+            ImageRequest("a red circle", seed=3, num_inference_steps=10),
+            ImageRequest("a blue square", seed=4, num_inference_steps=100),
+        )
+        stays = asyncio.ensure_future(batcher.submit(kept, bucket=0, cost=1, timeout_s=60))
+        goes = asyncio.ensure_future(batcher.submit(dropped, bucket=0, cost=1, timeout_s=60))
+        await asyncio.sleep(0.3)
+        goes.cancel()
+        result = await asyncio.wait_for(stays, 30)
+        # The dropped request's 100 steps no longer run: the loop has ended.
+        assert await batcher.drain(timeout_s=1.0)
+    finally:
+        await batcher.close()
+    assert len(result.value.step_s) == 10
+    assert np.array_equal(result.value.images[0], _pixels(runner([kept], lambda: False))[0])

@@ -2,8 +2,12 @@
 
 Loaded with `DiffusionPipeline.from_pretrained` from a directory or hub id. Every
 image gets its own seeded generator, so an image depends only on its prompt,
-seed and settings, never on the batch it ran in. Requests with equal size,
-steps and guidance share one pipeline call.
+seed and settings, never on the batch it ran in.
+
+Stable Diffusion pipelines run in Texel's own denoising loop (`models.image.denoise`):
+with `continuous` (the default) requests join a running loop at a step boundary,
+whatever their step count or guidance, and leave when their own schedule ends. Other
+pipelines run whole: requests with equal size, steps and guidance share one call.
 
 The UNet can be compiled (`compile="batch"` or `"dynamic"`, off by default): warm-up
 then compiles a graph for every batch size up to the largest, so no request of one image
@@ -20,6 +24,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,9 +38,11 @@ from transformers import AutoTokenizer
 from transformers.utils import cached_file
 from transformers.utils import logging as transformers_logging
 
+from batching.errors import Cancelled, OutOfMemory
 from models.base import DeviceRunner, Model, Stage
 from models.devices import model_name, out_of_memory_as_batching_error, resolve_dtype
 from models.errors import InvalidParameter
+from models.image.denoise import Denoising, DenoisingLoop, by_size
 from telemetry import metrics
 
 log = logging.getLogger(__name__)
@@ -125,6 +132,7 @@ class ImageGenerator(Model):
         max_steps: int = 100,
         max_side: int = 1024,
         compile: str = "off",
+        continuous: bool = True,
         png_compress_level: int = 1,
     ) -> None:
         super().__init__(source, model_name(source, name))
@@ -136,9 +144,12 @@ class ImageGenerator(Model):
         if compile not in ("off", "batch", "dynamic"):
             raise ValueError(f"compile must be off, batch or dynamic; got {compile!r}")
         self.compile_setting = compile
+        self.continuous = continuous
         self.defaults: ImageDefaults | None = None
         self.size_multiple = 8
         self._pipes: dict[str, DiffusionPipeline] = {}
+        self._loops: dict[str, DenoisingLoop] = {}  # pipelines Texel steps itself
+        self._capacity: dict[str, int] = {}  # a stream's budget, in default-size images
         self._tokenizer_lock = threading.Lock()
         self._prompt_tokenizer = None
 
@@ -165,6 +176,8 @@ class ImageGenerator(Model):
         if self.compile_setting != "off":
             pipe.unet = compile_unet(pipe.unet, self.compile_setting)
         self._pipes[str(device)] = pipe
+        if DenoisingLoop.supports(pipe):
+            self._loops[str(device)] = DenoisingLoop(pipe)
         self.defaults = self._read_defaults(pipe)
 
     def describe(self) -> dict:
@@ -182,6 +195,7 @@ class ImageGenerator(Model):
         need is compiled here, before readiness. (Requests of several images make
         larger batches, which the symbolic graph serves as well.)"""
         d = self._defaults
+        self._capacity[str(device)] = max_batch_size
         job = ImageJob("warm-up", None, d.width, d.height, min(d.steps, 2), d.guidance, (0,))
         if self.compile_setting == "off":
             self._generate(str(device), [job] * max_batch_size, lambda: False)
@@ -283,12 +297,25 @@ class ImageGenerator(Model):
         return 1.0  # one bucket means one shape: nothing is padded
 
     def runner(self, device: torch.device) -> DeviceRunner:
+        """Whole batches; with `continuous` and a pipeline Texel steps itself, a stream
+        (`batching.stream`) whose requests join and leave a running denoising loop."""
         key = str(device)
 
         def run(batch: list[ImageJob], should_stop) -> list[GeneratedImages]:
             return self._generate(key, batch, should_stop)
 
-        return DeviceRunner(run)
+        stream = None
+        if self.continuous and key in self._loops:
+
+            def stream(feed) -> None:
+                self._stream(key, feed)
+
+        return DeviceRunner(run, stream)
+
+    def units(self, job: ImageJob) -> float:
+        """What a request takes of a stream's budget: its images, in default-size ones."""
+        d = self._defaults
+        return len(job.seeds) * (job.width * job.height) / (d.width * d.height)
 
     # -- internals -----------------------------------------------------------
 
@@ -321,7 +348,72 @@ class ImageGenerator(Model):
             height = width = size * scale
         return ImageDefaults(width=int(width), height=int(height), steps=steps, guidance=guidance)
 
+    def _stream(self, device: str, feed) -> None:
+        """Continuous batching on `device`: at every step boundary requests join while
+        the budget allows (always one, into an empty loop), finished requests are decoded
+        and answered, and requests whose clients went away are dropped."""
+        loop = self._loops[device]
+        budget = self._capacity.get(device, 1)
+        waiting: deque[tuple[int, ImageJob]] = deque()  # taken, not yet joined
+        running: dict[int, Denoising] = {}
+        with torch.inference_mode():
+            while True:
+                waiting.extend(feed.take(budget))
+                gone = set(feed.cancelled([*running, *(key for key, _ in waiting)]))
+                if gone:
+                    for key in gone:
+                        running.pop(key, None)
+                    waiting = deque(item for item in waiting if item[0] not in gone)
+                    feed.done([(key, Cancelled("the client went away")) for key in gone])
+                used = sum(self.units(r.job) for r in running.values())
+                while waiting and (not running or used + self.units(waiting[0][1]) <= budget):
+                    key, job = waiting.popleft()
+                    try:
+                        with out_of_memory_as_batching_error():
+                            running[key] = loop.join(job)
+                    except Exception as exc:  # this request cannot start; the rest go on
+                        feed.done([(key, exc)])
+                        continue
+                    used += self.units(job)
+                if not running:
+                    if feed.finish():
+                        return
+                    continue
+                answers = []
+                keys = {id(r): key for key, r in running.items()}
+                for group in by_size(list(running.values())).values():
+                    try:
+                        with out_of_memory_as_batching_error():
+                            if stepping := [r for r in group if not r.done]:
+                                loop.step(stepping)
+                            finished = [r for r in group if r.done]
+                            images = loop.decode(finished) if finished else []
+                    except OutOfMemory as exc:
+                        # The newest request of the group gives way; the others step again.
+                        key = keys[id(group[-1])]
+                        del running[key]
+                        answers.append((key, exc))
+                        continue
+                    for request, pixels in zip(finished, images, strict=True):
+                        key = keys[id(request)]
+                        del running[key]
+                        answers.append(
+                            (key, GeneratedImages(pixels, request.job.seeds, request.step_s))
+                        )
+                if answers:
+                    feed.done(answers)
+
     def _generate(self, device: str, batch: list[ImageJob], should_stop) -> list[GeneratedImages]:
+        loop = self._loops.get(device)
+        if loop is not None:
+            with out_of_memory_as_batching_error(), torch.inference_mode():
+                results = loop.run(batch, should_stop)
+            if results is None:  # every client went away: no VAE decode for nobody
+                return [Cancelled("the client went away") for _ in batch]
+            return [
+                GeneratedImages(images, job.seeds, step_s)
+                for job, (images, step_s) in zip(batch, results, strict=True)
+            ]
         pipe = self._pipes[device]
         first = batch[0]
         prompts, negatives, generators = [], [], []
