@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import http
+import json
 import logging
 import math
 
@@ -9,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from engine.errors import (
     BatchFailed,
@@ -28,7 +31,6 @@ from models.errors import (
     InvalidParameter,
     UnsupportedImage,
 )
-from telemetry import metrics
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,46 @@ def not_ready(message: str = "the models are still loading") -> ApiError:
     return ApiError(503, "not_ready", message, {"Retry-After": "5"})
 
 
+def unsupported_media_type(accepted: str) -> ApiError:
+    return ApiError(415, "unsupported_media_type", f"send {accepted}")
+
+
+def request_timeout(limit_s: float) -> ApiError:
+    return ApiError(
+        408, "request_timeout", f"the request did not arrive whole within {limit_s:g} s"
+    )
+
+
+def headers_too_large(max_bytes: int, max_fields: int) -> ApiError:
+    return ApiError(
+        431,
+        "headers_too_large",
+        f"the request's head exceeds {max_bytes} bytes or {max_fields} header fields",
+    )
+
+
+def malformed_http() -> ApiError:
+    return ApiError(400, "malformed_http", "the request is not valid HTTP/1.1")
+
+
+# Errors that Starlette and FastAPI raise themselves, by status.
+_HTTP_CODES = {
+    400: "malformed_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+}
+
+
+def _from_http_exception(exc: StarletteHTTPException) -> ApiError:
+    status = exc.status_code
+    code = _HTTP_CODES.get(status)
+    if code is None:  # a status of no route of Texel's: named after its phrase
+        code = http.HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
+    return ApiError(status, code, str(exc.detail), dict(exc.headers or {}))
+
+
 _INPUT_STATUS: dict[type[InputError], int] = {
     UnsupportedImage: 415,
     ImageTooLarge: 413,
@@ -68,6 +110,10 @@ def to_api_error(exc: Exception) -> ApiError:
     """The one mapping from domain errors to HTTP statuses."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, StarletteHTTPException):
+        return _from_http_exception(exc)
+    if isinstance(exc, ClientDisconnect):  # gone while its body was being read
+        return ApiError(499, "client_closed_request", "the client disconnected")
     if isinstance(exc, InputError):
         return ApiError(_INPUT_STATUS.get(type(exc), 400), exc.code, exc.message)
     if isinstance(exc, QueueFull):
@@ -90,6 +136,22 @@ def to_api_error(exc: Exception) -> ApiError:
     return ApiError(500, "internal_error", "an unexpected error occurred; see the server log")
 
 
+def validation_error(errors: list) -> ApiError:
+    """Fields of a request that do not match its schema: 422, each field named."""
+    details = "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()) if p not in ('body', 'query')) or 'body'}: "
+        f"{e.get('msg')}"
+        for e in errors
+    )
+    return ApiError(422, "invalid_parameter", details)
+
+
+def error_body(error: ApiError) -> bytes:
+    """The JSON body of an error, for answers written below the app (app/server.py)."""
+    body = {"error": {"code": error.code, "message": error.message}}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
 def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(
         {"error": {"code": error.code, "message": error.message}},
@@ -105,23 +167,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        # A body that is not JSON at all is malformed; JSON with bad values is 422.
-        if any(e.get("type") in ("json_invalid", "model_attributes_type") for e in errors):
-            return error_response(malformed("the body is not a valid JSON object"))
-        key = {"/generate": "image", "/recognize": "formula"}.get(request.url.path)
-        if key:
-            metrics.REJECTED.labels(request.app.state.runtime.model_label(key), "invalid").inc()
-        details = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}"
-            for e in errors
-        )
-        return error_response(ApiError(422, "invalid_parameter", details))
+        # Query parameters (the bodies of the routes are validated in app/http.py).
+        return error_response(validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(ApiError(exc.status_code, code, str(exc.detail)))
+        return error_response(to_api_error(exc))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

@@ -1,75 +1,112 @@
-"""HTTP plumbing: body size limit, API keys, upload parsing, client-disconnect watching."""
+"""HTTP plumbing: body limits, API keys, body parsing, client-disconnect watching."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import binascii
-import json
 import secrets
+from typing import TypeVar
 
 from fastapi import Request
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import ApiError, error_response, malformed, payload_too_large
+from app.errors import (
+    ApiError,
+    error_response,
+    malformed,
+    payload_too_large,
+    request_timeout,
+    unsupported_media_type,
+    validation_error,
+)
 from app.schemas import RecognizeJSON
 
 MULTIPART_OVERHEAD = 64 * 1024
-
-
-class BodyTooLarge(StarletteHTTPException):
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"the request body exceeds {limit} bytes")
+Schema = TypeVar("Schema", bound=BaseModel)
 
 
 def body_limit(content_type: str, max_upload_bytes: int) -> int:
-    """Largest acceptable body: base64 in JSON inflates an upload by 4/3."""
-    if content_type.startswith("application/json"):
-        return max_upload_bytes * 4 // 3 + MULTIPART_OVERHEAD
-    return max_upload_bytes + MULTIPART_OVERHEAD
+    """Largest acceptable body: base64 in JSON (any body but multipart is read as JSON)
+    inflates an upload by 4/3."""
+    if content_type.startswith("multipart/"):
+        return max_upload_bytes + MULTIPART_OVERHEAD
+    return max_upload_bytes * 4 // 3 + MULTIPART_OVERHEAD
+
+
+def _has_body(headers: dict[bytes, bytes]) -> bool:
+    return b"transfer-encoding" in headers or headers.get(b"content-length", b"0") != b"0"
 
 
 class BodySizeLimit:
-    """Refuse oversized bodies early: by Content-Length, or while streaming a chunked body."""
+    """Bound every request body, in size and in time.
+
+    A body over its limit is refused with 413: by its Content-Length, or as soon as a
+    chunked body passes it. A body that has not arrived whole within the request
+    timeout of its head is refused with 408. An answer that goes out before its body
+    has been read whole closes the connection, so that the rest of a body, sent slowly
+    or never, cannot hold the connection open.
+    """
 
     def __init__(self, app: ASGIApp, max_upload_bytes: int) -> None:
         self.app = app
         self.max_upload_bytes = max_upload_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+        headers = dict(scope["headers"]) if scope["type"] == "http" else {}
+        if not _has_body(headers):
             await self.app(scope, receive, send)
             return
-        headers = dict(scope["headers"])
         content_type = headers.get(b"content-type", b"").decode("latin-1").lower()
         limit = body_limit(content_type, self.max_upload_bytes)
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            await error_response(payload_too_large(limit))(scope, receive, send)
-            return
+        # The app factory passes the upload limit only; the timeout is the app's setting.
+        timeout_s = scope["app"].state.runtime.settings.request_timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout_s
         received = 0
+        unread = True
 
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
+        async def bounded_receive() -> Message:
+            nonlocal received, unread
+            if not unread:  # the body is in; what comes now is a disconnect
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise request_timeout(timeout_s) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise BodyTooLarge(limit)
+                    raise payload_too_large(limit)
+                unread = message.get("more_body", False)
             return message
 
-        await self.app(scope, limited_receive, send)
+        async def closing_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and unread:
+                closing = [*message.get("headers", ()), (b"connection", b"close")]
+                message = {**message, "headers": closing}
+            await send(message)
+
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await error_response(payload_too_large(limit))(scope, receive, closing_send)
+            return
+        await self.app(scope, bounded_receive, closing_send)
 
 
 def check_api_key(request: Request, keys: list[str]) -> None:
-    """With keys configured, require `Authorization: Bearer <key>`."""
+    """With keys configured, require `Authorization: Bearer <key>`. The header is
+    compared as the bytes that came, whatever they are."""
     if not keys:
         return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and any(secrets.compare_digest(token, k) for k in keys):
+    raw = request.headers.get("authorization", "").encode("latin-1")
+    scheme, _, token = raw.partition(b" ")
+    if scheme.lower() == b"bearer" and any(
+        secrets.compare_digest(token, key.encode()) for key in keys
+    ):
         return
     raise ApiError(
         401,
@@ -79,18 +116,51 @@ def check_api_key(request: Request, keys: list[str]) -> None:
     )
 
 
+def _media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").partition(";")[0].strip().lower()
+
+
+def _is_json(media_type: str) -> bool:
+    """JSON, or no type at all (read as JSON, as clients that send JSON untyped expect)."""
+    return media_type in ("", "application/json") or (
+        media_type.startswith("application/") and media_type.endswith("+json")
+    )
+
+
+async def read_json(request: Request, schema: type[Schema]) -> Schema:
+    """The body as `schema`: 415 for a body that is not JSON, 400 for one that is empty
+    or not a JSON object (nested too deep included), 422 for fields that do not match."""
+    if not _is_json(_media_type(request)):
+        raise unsupported_media_type("JSON with Content-Type: application/json")
+    return _parse_json(await request.body(), schema)
+
+
+def _parse_json(body: bytes, schema: type[Schema]) -> Schema:
+    if not body:
+        raise malformed("the body is empty; send a JSON object")
+    try:
+        return schema.model_validate_json(body)
+    except ValidationError as exc:
+        errors = exc.errors()
+        first = errors[0]
+        if first["type"] == "json_invalid":
+            reason = first["msg"].removeprefix("Invalid JSON: ")
+            raise malformed(f"the body is not valid JSON: {reason}") from None
+        if first["type"] == "model_type" and not first["loc"]:
+            raise malformed("the body is not a JSON object") from None
+        raise validation_error(errors) from None
+
+
 async def read_image_upload(request: Request, max_bytes: int) -> bytes:
     """The image bytes of a /recognize request: multipart field `image` or JSON `image_base64`."""
-    content_type = request.headers.get("content-type", "").lower()
-    if content_type.startswith("multipart/form-data"):
+    media_type = _media_type(request)
+    if media_type == "multipart/form-data":
         data = await _read_multipart(request, max_bytes)
-    elif content_type.startswith("application/json"):
-        data = _decode_json_image(await request.body())
+    elif _is_json(media_type):
+        data = _decode_base64(_parse_json(await request.body(), RecognizeJSON).image_base64)
     else:
-        raise ApiError(
-            415,
-            "unsupported_media_type",
-            "send multipart/form-data with an 'image' file, or JSON with 'image_base64'",
+        raise unsupported_media_type(
+            "multipart/form-data with an 'image' file, or JSON with 'image_base64'"
         )
     if not data:
         raise malformed("the image is empty")
@@ -115,14 +185,7 @@ async def _read_multipart(request: Request, max_bytes: int) -> bytes:
         await form.close()
 
 
-def _decode_json_image(body: bytes) -> bytes:
-    try:
-        parsed = RecognizeJSON.model_validate(json.loads(body))
-    except ValueError as exc:
-        if isinstance(exc, ValidationError):
-            raise malformed(f'expected {{"image_base64": ...}}: {exc.errors()[0]["msg"]}') from None
-        raise malformed("the body is not valid JSON") from None
-    encoded = parsed.image_base64
+def _decode_base64(encoded: str) -> bytes:
     if encoded.startswith("data:"):  # accept data URLs from browsers
         encoded = encoded.partition(",")[2]
     try:

@@ -3,43 +3,94 @@
 from __future__ import annotations
 
 import base64
+import contextlib
+import copy
 import logging
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from app.errors import ApiError, error_response, to_api_error
-from app.http import check_api_key, read_image_upload, unless_disconnected
+from app.http import check_api_key, read_image_upload, read_json, unless_disconnected
 from app.schemas import (
+    MAX_SIDE,
+    MAX_STEPS,
+    SIZE_MULTIPLE,
     ErrorBody,
     GeneratedImage,
     GenerateRequest,
     GenerateResponse,
     Readiness,
+    RecognizeJSON,
     RecognizeResponse,
 )
 from app.serving import Runtime
+from app.settings import Settings
 from models.errors import InputError
 from telemetry import RequestTrace, metrics
 
 log = logging.getLogger(__name__)
-router = APIRouter()
+
+
+@contextlib.asynccontextmanager
+async def _published_limits(app: FastAPI):
+    """Serve the OpenAPI document with the limits of this server's settings in it."""
+    settings = app.state.runtime.settings
+    generic = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = state_limits(generic(), settings)
+        return app.openapi_schema
+
+    app.openapi = openapi
+    yield
+
+
+router = APIRouter(lifespan=_published_limits)
 
 ERRORS = {
     status: {"model": ErrorBody, "description": text}
     for status, text in {
-        400: "Malformed request.",
+        400: "Malformed request: not valid JSON or multipart, an empty body, no image.",
         401: "Missing or wrong API key.",
+        404: "The route's model is disabled.",
+        408: "The request did not arrive whole within the request timeout.",
         413: "Upload too large, in bytes or pixels.",
-        415: "Not a supported image.",
-        422: "A parameter is out of range.",
+        415: "Not a supported image, or a body that is neither JSON nor multipart.",
+        422: "A field is unknown, missing, of the wrong type or out of range.",
         429: "Queue full; retry after `Retry-After` seconds.",
         503: "Models not ready yet, or the server is draining.",
         504: "The request's deadline passed.",
     }.items()
 }
+
+
+def state_limits(document: dict, settings: Settings) -> dict:
+    """Write the limits the server enforces with these settings into its OpenAPI
+    document, so that a client generated from it sends what the server accepts."""
+    document = copy.deepcopy(document)  # the routes' own schemas are shared by every app
+    paths = document["paths"]
+    generate = paths["/generate"]["post"]["requestBody"]["content"]["application/json"]
+    fields = generate["schema"]["properties"]
+    side = min(settings.image.max_side, MAX_SIDE)
+    for name in ("width", "height"):
+        _bound(fields[name], maximum=side - side % SIZE_MULTIPLE)
+    _bound(fields["num_inference_steps"], maximum=min(settings.image.max_steps, MAX_STEPS))
+    upload = f" At most {settings.max_upload_bytes} bytes and {settings.max_image_pixels} pixels."
+    recognize = paths["/recognize"]["post"]["requestBody"]["content"]
+    recognize["multipart/form-data"]["schema"]["properties"]["image"]["description"] += upload
+    recognize["application/json"]["schema"]["properties"]["image_base64"]["description"] += upload
+    return document
+
+
+def _bound(field: dict, **limits) -> None:
+    """Set `limits` on the integer form of a field (an optional one is `anyOf` null)."""
+    for form in field.get("anyOf", [field]):
+        if form.get("type") == "integer":
+            form.update(limits)
 
 
 def runtime_of(request: Request) -> Runtime:
@@ -113,10 +164,16 @@ async def _handle(request: Request, route: str, key: str, flow) -> Response:
                     "schema": {
                         "type": "object",
                         "required": ["image"],
-                        "properties": {"image": {"type": "string", "format": "binary"}},
+                        "properties": {
+                            "image": {
+                                "type": "string",
+                                "format": "binary",
+                                "description": "The image file (PNG, JPEG, WebP, BMP or GIF).",
+                            }
+                        },
                     }
                 },
-                "application/json": {"schema": {"$ref": "#/components/schemas/RecognizeJSON"}},
+                "application/json": {"schema": RecognizeJSON.model_json_schema()},
             },
         }
     },
@@ -157,13 +214,20 @@ async def recognize(request: Request) -> Response:
     },
     dependencies=[Depends(authorized)],
     summary="Generate images from a prompt",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": GenerateRequest.model_json_schema()}},
+        }
+    },
 )
-async def generate(request: Request, body: GenerateRequest) -> Response:
+async def generate(request: Request) -> Response:
     """A text prompt in, images out. The same seed and parameters give the same image."""
     from models.image.adapter import ImageRequest
 
     async def flow(runtime: Runtime, model: str, trace: RequestTrace) -> Response:
         with trace.stage("http.parse"):
+            body = await read_json(request, GenerateRequest)
             wants_png = "image/png" in request.headers.get("accept", "")
             if wants_png and body.num_images != 1:
                 raise ApiError(422, "invalid_parameter", "Accept: image/png needs num_images = 1")

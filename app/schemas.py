@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# Bounds no settings can raise; the settings' own (TEXEL_IMAGE__MAX_SIDE and
+# TEXEL_IMAGE__MAX_STEPS) are written into the OpenAPI document the server publishes.
+MAX_SIDE = 4096
+MAX_STEPS = 1000
+SIZE_MULTIPLE = 8
+
 
 class ErrorDetail(BaseModel):
     code: str = Field(description="Stable machine-readable error code, e.g. `queue_full`.")
@@ -39,10 +45,22 @@ class GenerateRequest(BaseModel):
     negative_prompt: str | None = Field(
         None, max_length=2000, description="What to steer away from (needs guidance > 1)."
     )
-    width: int | None = Field(None, ge=8, le=4096, description="Default: the model's size.")
-    height: int | None = Field(None, ge=8, le=4096, description="Default: the model's size.")
+    width: int | None = Field(
+        None,
+        ge=SIZE_MULTIPLE,
+        le=MAX_SIDE,
+        multiple_of=SIZE_MULTIPLE,
+        description="Default: the model's size.",
+    )
+    height: int | None = Field(
+        None,
+        ge=SIZE_MULTIPLE,
+        le=MAX_SIDE,
+        multiple_of=SIZE_MULTIPLE,
+        description="Default: the model's size.",
+    )
     num_inference_steps: int | None = Field(
-        None, ge=1, le=1000, description="Denoising steps. Default: the model's."
+        None, ge=1, le=MAX_STEPS, description="Denoising steps. Default: the model's."
     )
     guidance_scale: float | None = Field(
         None, ge=0, le=50, description="Classifier-free guidance. Default: the model's."

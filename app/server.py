@@ -1,26 +1,122 @@
-"""uvicorn as Texel runs it: its settings, and a graceful drain on SIGTERM/SIGINT."""
+"""uvicorn as Texel runs it: its settings, bounds on what a client may send before the
+app sees a request, and a graceful drain on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from app.errors import ApiError, error_body, headers_too_large, malformed_http, request_timeout
 from app.settings import Settings
 
 log = logging.getLogger("texel")
+
+# A request's head (its request line and headers): generous for browsers' cookies and
+# tokens, small enough that no client can make a process buffer much.
+MAX_HEAD_BYTES = 64 * 1024
+MAX_HEADERS = 100
 
 
 def uvicorn_config(app, settings: Settings, **kwargs) -> uvicorn.Config:
     return uvicorn.Config(
         app,
+        http=functools.partial(BoundedHttpProtocol, head_timeout_s=settings.request_timeout_s),
         log_config=None,
         timeout_keep_alive=settings.advanced.keep_alive_s,
         timeout_graceful_shutdown=int(settings.drain_timeout_s) + 5,
+        # uvicorn answers 503 once this many connections are open, so one more than the
+        # connections a process holds
+        limit_concurrency=settings.advanced.max_connections + 1,
         **kwargs,
     )
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing a request that is refused."""
+
+
+class BoundedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol (httptools), with bounds on a request's head: its
+    size, its number of headers, and the time it takes to arrive. A head over them is
+    answered here, before the app sees the request; the bounds on the body are the
+    app's (`app.http.BodySizeLimit`). Malformed HTTP is answered in JSON too."""
+
+    def __init__(self, *args, head_timeout_s: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.head_timeout_s = head_timeout_s
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0
+        self._head_fields = 0
+        self._refusal: ApiError | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        # uvicorn arms its keep-alive timer only after a response; without this a
+        # connection that never sends a request would stay open.
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._head_done()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._head_timer is not None and not self.transport.is_closing():
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse(headers_too_large(MAX_HEAD_BYTES, MAX_HEADERS))
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes = self._head_fields = 0
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_fields += 1
+        if self._head_fields > MAX_HEADERS:
+            self._refusal = headers_too_large(MAX_HEAD_BYTES, MAX_HEADERS)
+            raise _Refused  # httptools reports it as a parser error: send_400_response
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._head_done()
+        super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(self._refusal or malformed_http())
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        self._refuse(request_timeout(self.head_timeout_s))
+
+    def _head_done(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _refuse(self, error: ApiError) -> None:
+        """Answer `error` and close, unless a response is on its way (a pipelined
+        request's head): then only close."""
+        self._head_done()
+        if self.transport.is_closing():
+            return
+        if self.cycle is None or self.cycle.response_complete:
+            body = error_body(error)
+            head = [STATUS_LINE[error.status]]
+            for name, value in self.server_state.default_headers:
+                head.append(name + b": " + value + b"\r\n")
+            head.append(b"content-type: application/json\r\n")
+            head.append(b"content-length: %d\r\n" % len(body))
+            head.append(b"connection: close\r\n\r\n")
+            self.transport.write(b"".join(head) + body)
+        self.transport.close()
 
 
 class TexelServer(uvicorn.Server):

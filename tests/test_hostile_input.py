@@ -1,0 +1,289 @@
+"""What a hostile client sends, against a real server on a socket: oversized chunked
+bodies, deep JSON, odd bytes in headers, slow clients, huge heads, too many connections.
+Every case gets a documented JSON error or a closed connection, never a 5xx or a hang."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import ServerProcess
+
+KEY = "hostile-suite-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+UPLOAD_LIMIT = 128 * 1024
+REQUEST_TIMEOUT_S = 2.0
+MAX_CONNECTIONS = 8
+
+
+@pytest.fixture(scope="module")
+def hostile(tiny_env) -> Iterator[ServerProcess]:
+    """A server with API keys, small bodies, a short request timeout and a small
+    connection cap, so that every bound is reached in a fraction of a second."""
+    proc = ServerProcess(
+        {
+            **tiny_env,
+            "TEXEL_API_KEYS": KEY,
+            "TEXEL_MAX_UPLOAD_BYTES": str(UPLOAD_LIMIT),
+            "TEXEL_REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S),
+            "TEXEL_ADVANCED__MAX_CONNECTIONS": str(MAX_CONNECTIONS),
+        }
+    )
+    yield proc
+    proc.stop()
+
+
+# -- a small raw HTTP client: what httpx will not send ------------------------------
+
+
+def connect(server: ServerProcess, timeout: float = 10) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def head(method: str, path: str, headers: dict[str, str] | list[tuple[str, str]]) -> bytes:
+    items = headers.items() if isinstance(headers, dict) else headers
+    lines = [f"{method} {path} HTTP/1.1", "Host: texel", *(f"{k}: {v}" for k, v in items)]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def chunked(body: bytes, size: int = 16 * 1024) -> bytes:
+    parts = [
+        b"%x\r\n%s\r\n" % (len(body[i : i + size]), body[i : i + size])
+        for i in range(0, len(body), size)
+    ]
+    return b"".join(parts) + b"0\r\n\r\n"
+
+
+class Answer:
+    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    def code(self) -> str:
+        error = json.loads(self.body)["error"]
+        assert set(error) == {"code", "message"}, error
+        return error["code"]
+
+
+def read_answer(sock: socket.socket) -> Answer:
+    """One response: its status line, headers and a Content-Length body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed without an answer after {data!r}")
+        data += chunk
+    raw_head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = raw_head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    length = int(headers.get("content-length", 0))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return Answer(int(status_line.split()[1]), headers, body[:length])
+
+
+def exchange(server: ServerProcess, request: bytes) -> Answer:
+    with connect(server) as sock:
+        sock.sendall(request)
+        return read_answer(sock)
+
+
+def closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    """Whether the server closes `sock` within `within_s` (reading anything it sends)."""
+    sock.settimeout(within_s)
+    try:
+        while sock.recv(65536):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        pass
+    return True
+
+
+# -- bodies over the size limit, streamed without a Content-Length ------------------
+
+
+def test_a_chunked_multipart_upload_over_the_limit_gets_413(hostile):
+    boundary = "texelboundary"
+    body = (
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="f.png"\r\n'
+            "Content-Type: image/png\r\n\r\n"
+        ).encode()
+        + b"\x89PNG"
+        + b"\0" * (3 * UPLOAD_LIMIT)
+    )
+    headers = {
+        **AUTH,
+        "Content-Type": f"multipart/form-data; boundary={boundary}",
+        "Transfer-Encoding": "chunked",
+    }
+    answer = exchange(hostile, head("POST", "/recognize", headers) + chunked(body))
+    assert answer.status == 413
+    assert answer.code() == "payload_too_large"
+
+
+def test_a_chunked_json_upload_over_the_limit_gets_413(hostile):
+    body = b'{"image_base64": "' + b"A" * (3 * UPLOAD_LIMIT) + b'"}'
+    headers = {**AUTH, "Content-Type": "application/json", "Transfer-Encoding": "chunked"}
+    for path in ("/recognize", "/generate"):
+        answer = exchange(hostile, head("POST", path, headers) + chunked(body))
+        assert answer.status == 413, path
+        assert answer.code() == "payload_too_large", path
+
+
+# -- JSON nested deeper than any parser should follow -------------------------------
+
+
+def test_deeply_nested_json_gets_a_clear_400_on_both_routes(hostile):
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with hostile.client(headers=AUTH) as client:
+        for path in ("/recognize", "/generate"):
+            response = client.post(path, content=deep, headers={"Content-Type": "application/json"})
+            assert response.status_code == 400, (path, response.text)
+            assert response.json()["error"]["code"] == "malformed_request"
+            assert "JSON" in response.json()["error"]["message"]
+
+
+# -- odd bytes in the Authorization header ------------------------------------------
+
+
+def test_an_authorization_header_with_non_ascii_bytes_gets_401(hostile):
+    for path, method in (
+        ("/recognize", "POST"),
+        ("/generate", "POST"),
+        ("/debug/bottleneck", "GET"),
+    ):
+        request = head(
+            method, path, {"Authorization": "Bearer \xff\xe9t\xe9", "Content-Length": "0"}
+        )
+        answer = exchange(hostile, request)
+        assert answer.status == 401, path
+        assert answer.code() == "unauthorized"
+
+
+def test_the_right_key_still_opens_the_door(hostile):
+    response = httpx.get(hostile.url + "/debug/bottleneck?window_s=0.5", headers=AUTH)
+    assert response.status_code == 200, response.text
+
+
+# -- slow clients ---------------------------------------------------------------------
+
+
+def test_a_body_that_trickles_in_is_answered_408_and_closed_at_the_request_timeout(hostile):
+    request = head(
+        "POST",
+        "/recognize",
+        {**AUTH, "Content-Type": "application/json", "Content-Length": "10000"},
+    )
+    with connect(hostile) as sock:
+        sock.sendall(request + b'{"image_base64": "')
+        started = time.monotonic()
+        sock.settimeout(0.2)
+        answer = None
+        while answer is None and time.monotonic() - started < 3 * REQUEST_TIMEOUT_S:
+            try:
+                sock.sendall(b"A")
+                sock.settimeout(0.2)
+                answer = read_answer(sock)
+            except TimeoutError:
+                continue
+        elapsed = time.monotonic() - started
+        assert answer is not None, "the server kept reading a body that never ends"
+        assert answer.status == 408 and answer.code() == "request_timeout"
+        assert elapsed < REQUEST_TIMEOUT_S + 1.5
+        assert answer.headers.get("connection") == "close"
+        assert closed_by_server(sock, within_s=2)
+
+
+def test_a_head_that_trickles_in_is_answered_408_and_closed_at_the_request_timeout(hostile):
+    with connect(hostile) as sock:
+        sock.sendall(b"POST /recognize HTTP/1.1\r\nHost: texel\r\nX-Slow: ")
+        started = time.monotonic()
+        answer = None
+        while answer is None and time.monotonic() - started < 3 * REQUEST_TIMEOUT_S:
+            try:
+                sock.sendall(b"a")
+                sock.settimeout(0.2)
+                answer = read_answer(sock)
+            except TimeoutError:
+                continue
+        assert answer is not None, "the server kept reading a head that never ends"
+        assert answer.status == 408 and answer.code() == "request_timeout"
+        assert time.monotonic() - started < REQUEST_TIMEOUT_S + 1.5
+        assert closed_by_server(sock, within_s=2)
+
+
+def test_an_answer_given_before_the_body_is_read_closes_the_connection(hostile):
+    """Refused before its body is read (here: no API key), a request cannot keep its
+    connection open by sending the rest of its body slowly."""
+    request = head(
+        "POST", "/recognize", {"Content-Type": "application/json", "Content-Length": "5000"}
+    )
+    with connect(hostile) as sock:
+        sock.sendall(request + b'{"image_base64": ')
+        answer = read_answer(sock)
+        assert answer.status == 401
+        assert answer.headers.get("connection") == "close"
+        assert closed_by_server(sock, within_s=2)
+
+
+# -- heads too large ------------------------------------------------------------------
+
+
+def test_a_head_over_its_size_limit_gets_431(hostile):
+    answer = exchange(hostile, head("GET", "/livez", {"X-Big": "a" * 200_000}))
+    assert answer.status == 431
+    assert answer.code() == "headers_too_large"
+
+
+def test_a_head_with_too_many_headers_gets_431(hostile):
+    answer = exchange(hostile, head("GET", "/livez", [(f"X-H{i}", "1") for i in range(500)]))
+    assert answer.status == 431
+    assert answer.code() == "headers_too_large"
+
+
+def test_malformed_http_gets_a_json_400(hostile):
+    answer = exchange(hostile, b"GET /livez HTTP/1.1\r\nHost texel\r\n\r\n")
+    assert answer.status == 400
+    assert answer.code() == "malformed_http"
+
+
+# -- connections ----------------------------------------------------------------------
+
+
+def test_connections_beyond_the_cap_get_503_and_the_cap_frees_as_they_close(hostile):
+    held = []
+    try:
+        for _ in range(MAX_CONNECTIONS):
+            sock = connect(hostile)
+            sock.sendall(head("GET", "/livez", {}))
+            assert read_answer(sock).status == 200
+            held.append(sock)
+        with connect(hostile) as extra:
+            extra.sendall(head("GET", "/livez", {}))
+            assert read_answer(extra).status == 503
+    finally:
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + 5
+    while httpx.get(hostile.url + "/livez").status_code != 200:
+        assert time.monotonic() < deadline, "closed connections were not released"
+        time.sleep(0.05)
+
+
+def test_the_server_is_healthy_after_every_hostile_case(hostile):
+    assert httpx.get(hostile.url + "/readyz").status_code == 200
+    assert "Traceback" not in hostile.log(tail=100_000)
