@@ -60,6 +60,9 @@ class LoadResult:
             "concurrency" if self.mode == "closed" else "rate_rps": self.level,
             "requests": sum(self.statuses.values()),
             "throughput_rps": round(self.throughput_rps, 2),
+            "mean_ms": round(1000 * statistics.fmean(self.latencies_s), 1)
+            if self.latencies_s
+            else None,
             "p50_ms": round(self.percentile_ms(50), 1),
             "p95_ms": round(self.percentile_ms(95), 1),
             "p99_ms": round(self.percentile_ms(99), 1),

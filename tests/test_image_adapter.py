@@ -214,7 +214,7 @@ def test_an_image_is_the_same_alone_in_a_batch_or_joining_a_running_loop(stepped
     run = stepped.runner(torch.device("cpu"))
     alone = [_pixels(run([job], lambda: False)) for job in (first, second)]
     together = _pixels(run([first, second], lambda: False))
-    loop = stepped._loops["cpu"]
+    loop = stepped.denoising_loop(torch.device("cpu"))
     with torch.inference_mode():
         early = loop.join(first)
         for _ in range(3):

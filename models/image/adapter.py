@@ -312,6 +312,10 @@ class ImageGenerator(Model):
 
         return DeviceRunner(run, stream)
 
+    def denoising_loop(self, device: torch.device) -> DenoisingLoop | None:
+        """Texel's own denoising loop on `device`, for pipelines it steps itself."""
+        return self._loops.get(str(device))
+
     def units(self, job: ImageJob) -> float:
         """What a request takes of a stream's budget: its images, in default-size ones."""
         d = self._defaults
