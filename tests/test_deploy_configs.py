@@ -1,19 +1,23 @@
 """The deployment files (the Dockerfile, deploy/compose, deploy/kubernetes) are valid and
 match Texel.
 
-Docker is not needed: each file is parsed, the Prometheus config is checked by the
-real `promtool`, and the dashboard's queries are held against a live `/metrics`.
+Docker and a cluster are not needed: each file is parsed, the Prometheus config is
+checked by the real `promtool`, the dashboard's and the autoscalers' queries are held
+against a live `/metrics`, and every Kubernetes resource the kustomizations build is
+validated against the Kubernetes schemas that `kubernetes-validate` ships (offline).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,6 +25,10 @@ from tests.backends import ensure_backend
 from tests.conftest import ROOT, formula_png
 
 COMPOSE = ROOT / "deploy" / "compose"
+KUBERNETES = ROOT / "deploy" / "kubernetes"
+OVERLAYS = sorted(p.parent for p in (KUBERNETES / "overlays").glob("*/kustomization.yaml"))
+KUBERNETES_VERSION = "1.30"  # the oldest release the manifests are meant for
+AUTOSCALERS = {"ScaledObject", "HorizontalPodAutoscaler"}
 DASHBOARD = COMPOSE / "grafana" / "dashboards" / "texel.json"
 STAGES = {"http.parse", "preprocess", "tokenize", "queue.wait", "generate", "postprocess"}
 # Exported only where NVML or CUDA sees a GPU, so absent from a CPU machine's scrape.
@@ -98,7 +106,7 @@ def test_the_deployments_set_only_settings_texel_reads():
     files = [
         ROOT / "Dockerfile",
         *yaml_files(),
-        *sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml")),
+        *sorted(KUBERNETES.rglob("*.yaml")),
     ]
     named = {
         (path.relative_to(ROOT).as_posix(), name)
@@ -231,3 +239,211 @@ def test_the_live_scrape_has_every_stage_the_dashboard_breaks_down(server, live_
         for sample in family.samples
     }
     assert stages >= STAGES
+
+
+# -- Kubernetes ------------------------------------------------------------------------
+
+KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "patches"}
+
+
+def kustomize(directory: Path) -> list[dict]:
+    """What `kustomize build directory` gives for the subset of kustomize these files use
+    (resources, and JSON 6902 patches with a kind and name target); a field outside that
+    subset fails here, so the test's build cannot silently differ from kustomize's."""
+    kustomization = load_yaml(directory / "kustomization.yaml")
+    assert set(kustomization) <= KUSTOMIZATION_FIELDS, set(kustomization) - KUSTOMIZATION_FIELDS
+    resources: list[dict] = []
+    for entry in kustomization["resources"]:
+        path = (directory / entry).resolve()
+        if path.is_dir():
+            resources += kustomize(path)
+        else:
+            with path.open() as f:
+                resources += [doc for doc in yaml.safe_load_all(f) if doc]
+    for patch in kustomization.get("patches", []):
+        assert set(patch) == {"target", "patch"} and set(patch["target"]) == {"kind", "name"}
+        (target,) = [r for r in resources if (r["kind"], r["metadata"]["name"]) == (
+            patch["target"]["kind"], patch["target"]["name"])]  # fmt: skip
+        for operation in yaml.safe_load(patch["patch"]):
+            *parents, last = operation["path"].strip("/").split("/")
+            node = target
+            for key in parents:
+                node = node[key]
+            if operation["op"] == "remove":
+                del node[last]
+            else:
+                assert operation["op"] in ("add", "replace"), operation
+                node[last] = operation["value"]
+    return resources
+
+
+def the(kind: str, resources: list[dict]) -> dict:
+    (resource,) = [r for r in resources if r["kind"] == kind]
+    return resource
+
+
+def texel_container(resources: list[dict]) -> dict:
+    (container,) = the("Deployment", resources)["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def texel_env(resources: list[dict]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in texel_container(resources)["env"] if "value" in e}
+
+
+def scaled_object() -> dict:
+    return the("ScaledObject", kustomize(KUBERNETES / "overlays" / "keda"))
+
+
+@pytest.mark.parametrize("directory", [KUBERNETES, *OVERLAYS], ids=lambda p: p.name)
+def test_every_kubernetes_resource_passes_the_kubernetes_schemas(directory):
+    """Strict: a misspelt or misplaced field fails, as `kubectl apply` would refuse it.
+    KEDA's resource has no schema there; the next tests check it."""
+    import kubernetes_validate
+
+    for resource in kustomize(directory):
+        if not resource["apiVersion"].startswith("keda.sh/"):
+            kubernetes_validate.validate(resource, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_base_is_a_deployment_a_service_and_a_disruption_budget_of_one_app():
+    resources = kustomize(KUBERNETES)
+    assert sorted(r["kind"] for r in resources) == ["Deployment", "PodDisruptionBudget", "Service"]
+    pods = the("Deployment", resources)["spec"]["template"]["metadata"]["labels"]
+    assert the("Deployment", resources)["spec"]["selector"]["matchLabels"].items() <= pods.items()
+    assert the("Service", resources)["spec"]["selector"].items() <= pods.items()
+    assert the("PodDisruptionBudget", resources)["spec"]["selector"]["matchLabels"].items() <= (
+        pods.items()
+    )
+    port = the("Service", resources)["spec"]["ports"][0]["targetPort"]
+    assert port in {p["name"] for p in texel_container(resources)["ports"]}
+
+
+def test_every_kubernetes_file_is_applied_by_exactly_one_kustomization():
+    listed = [
+        (directory / entry).resolve()
+        for directory in [KUBERNETES, *OVERLAYS]
+        for entry in load_yaml(directory / "kustomization.yaml")["resources"]
+        if not (directory / entry).is_dir()
+    ]
+    files = {p.resolve() for p in KUBERNETES.rglob("*.yaml") if p.name != "kustomization.yaml"}
+    assert sorted(listed) == sorted(files)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_each_overlay_adds_one_autoscaler_that_owns_the_replica_count(overlay):
+    resources = kustomize(overlay)
+    (autoscaler,) = [r for r in resources if r["kind"] in AUTOSCALERS]
+    assert autoscaler["spec"]["scaleTargetRef"]["name"] == "texel"
+    assert "replicas" not in the("Deployment", resources)["spec"]
+    assert {p.name for p in OVERLAYS} == {"keda", "hpa"}
+
+
+def test_the_keda_scaled_object_has_what_keda_requires(live_sample_names):
+    """KEDA's own validation, for the fields Texel uses: a target, prometheus triggers
+    whose metadata are strings (serverAddress, query, threshold), and bounds."""
+    scaled = scaled_object()
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1" and scaled["metadata"]["name"]
+    deployment = the("Deployment", kustomize(KUBERNETES))
+    assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    assert 1 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
+    assert scaled["spec"]["triggers"]
+    for trigger in scaled["spec"]["triggers"]:
+        assert trigger["type"] == "prometheus"
+        metadata = trigger["metadata"]
+        assert {"serverAddress", "query", "threshold"} <= set(metadata)
+        assert all(isinstance(value, str) for value in metadata.values()), metadata
+        assert metadata["serverAddress"].startswith(("http://", "https://"))
+        assert float(metadata["threshold"]) > 0
+        assert METRIC_NAME.findall(metadata["query"]) == ["texel_queue_depth"]
+        assert "texel_queue_depth" in live_sample_names
+
+
+def queue_thresholds_by_model() -> dict[str, float]:
+    """The KEDA triggers' `model` label and threshold."""
+    thresholds = {}
+    for trigger in scaled_object()["spec"]["triggers"]:
+        (model,) = re.findall(r'model="([^"]+)"', trigger["metadata"]["query"])
+        thresholds[model] = float(trigger["metadata"]["threshold"])
+    return thresholds
+
+
+def test_the_autoscalers_watch_the_queues_of_the_models_texel_ships():
+    from app.settings import Settings
+    from models.devices import model_name
+
+    settings = Settings(_env_file=None)
+    shipped = {model_name(str(ROOT / settings.formula.model)),
+               model_name(str(ROOT / settings.image.model))}  # fmt: skip
+    assert set(queue_thresholds_by_model()) == shipped
+
+
+def test_the_hpa_scales_like_the_keda_object():
+    hpa = the("HorizontalPodAutoscaler", kustomize(KUBERNETES / "overlays" / "hpa"))
+    targets = {}
+    for metric in hpa["spec"]["metrics"]:
+        assert metric["type"] == "External"
+        assert metric["external"]["metric"]["name"] == "texel_queue_depth"
+        assert metric["external"]["target"]["type"] == "AverageValue"
+        model = metric["external"]["metric"]["selector"]["matchLabels"]["model"]
+        targets[model] = float(metric["external"]["target"]["averageValue"])
+    assert targets == queue_thresholds_by_model()
+    scaled = scaled_object()["spec"]
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (
+        scaled["minReplicaCount"],
+        scaled["maxReplicaCount"],
+    )
+    assert (
+        hpa["spec"]["behavior"] == scaled["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    )
+
+
+def test_the_probes_watch_livez_for_life_and_readyz_for_traffic():
+    container = texel_container(kustomize(KUBERNETES))
+    assert container["startupProbe"]["httpGet"]["path"] == "/livez"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/livez"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["port"] in ports
+
+
+def manifest_settings(monkeypatch):
+    """Texel's settings as the pod's environment gives them (validated as at start)."""
+    from app.settings import Settings
+
+    for name in [n for n in os.environ if n.startswith("TEXEL_")]:
+        monkeypatch.delenv(name)
+    for name, value in texel_env(kustomize(KUBERNETES)).items():
+        monkeypatch.setenv(name, value)
+    return Settings(_env_file=None)
+
+
+def test_the_termination_grace_period_covers_the_shutdown_grace_and_the_drain(monkeypatch):
+    """Past the period the kubelet kills the pod, and requests still draining fail."""
+    settings = manifest_settings(monkeypatch)
+    pod = the("Deployment", kustomize(KUBERNETES))["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] > (
+        settings.shutdown_grace_s + settings.drain_timeout_s
+    )
+    assert settings.shutdown_grace_s > 0  # time for the Service to drop a draining pod
+
+
+def test_the_pod_asks_for_the_cores_and_gpu_of_its_process_plan(monkeypatch):
+    """One GPU, so one engine; and as many cores as the process plan gives the HTTP
+    processes the manifest sets (requests equal to limits: the limit is what Texel reads
+    as its cores)."""
+    from app import launcher
+    from app.launcher import ProcessPlan
+
+    settings = manifest_settings(monkeypatch)
+    resources = texel_container(kustomize(KUBERNETES))["resources"]
+    assert resources["requests"] == resources["limits"]
+    assert resources["limits"]["nvidia.com/gpu"] == 1
+    assert settings.device == "cuda"  # every GPU the pod sees: its one
+    cores = int(resources["limits"]["cpu"])
+    # The plan of a pod with one GPU, computed on this machine, which may have none.
+    monkeypatch.setattr(launcher, "resolve_devices", lambda setting: [torch.device("cuda", 0)])
+    default = ProcessPlan.of(settings.model_copy(update={"http_processes": None}), cores=cores)
+    assert default.devices == [torch.device("cuda", 0)]
+    assert settings.http_processes == default.http_processes
