@@ -129,8 +129,8 @@ class ServerRecognizer(Recognizer):
                 )
             except httpx.HTTPError as exc:
                 return error("unreachable", f"{self.url}: {exc}")
-            retry_after = response.headers.get("retry-after")
-            if response.status_code in (429, 503) and retry_after and attempt < RETRIES:
+            retry_after = response.headers.get("retry-after", "")
+            if response.status_code in (429, 503) and retry_after.isdigit() and attempt < RETRIES:
                 await asyncio.sleep(min(float(retry_after), LONGEST_RETRY_WAIT_S))
                 continue
             break
