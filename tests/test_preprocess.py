@@ -11,6 +11,7 @@ from PIL import Image
 from models.errors import CorruptImage, ImageTooLarge, UnsupportedImage
 from models.formula.preprocess import (
     FormulaImageSpec,
+    FormulaPreprocessor,
     bucket_width,
     decode_image,
     pad_and_normalize,
@@ -135,3 +136,150 @@ def test_an_http_process_preprocesses_without_weights_and_the_engine_gets_that_p
     assert (received.width, received.bucket) == (payload.width, payload.bucket)
     assert np.array_equal(received.strip, payload.strip)
     assert not recognizer._models, "no weights on the request side"
+
+
+# -- pictures that hold no formula --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        Image.new("RGB", (1, 1), (0, 0, 0)),
+        Image.new("L", (60000, 1), 0),
+        Image.new("RGB", (640, 480), (70, 130, 180)),  # a uniform colour
+        Image.new("L", (800, 600), 255),
+    ],
+    ids=["1x1", "60000x1", "uniform colour", "all white"],
+)
+def test_a_picture_with_no_ink_becomes_an_empty_strip(image):
+    assert prepare_strip(image, SPEC).shape == (SPEC.height, 0)
+
+
+def test_an_all_black_16_megapixel_upload_is_blank_not_a_formula():
+    item = FormulaPreprocessor(SPEC, 64, 16_000_000)(encode(Image.new("L", (4000, 4000), 0)))
+    assert item.blank and item.width == 0
+
+
+def test_the_model_does_not_read_a_blank_picture(tiny_models) -> None:
+    """A blank input is answered with no tokens; the inked one beside it is decoded."""
+    import torch
+
+    from models.formula.adapter import FormulaRecognizer
+
+    cpu = torch.device("cpu")
+    recognizer = FormulaRecognizer(str(tiny_models["formula"]), [cpu], decoder="generate")
+    recognizer.open()
+    recognizer.load(cpu)
+    blank = recognizer.preprocess(encode(Image.new("L", (300, 80), 255)))
+    inked = recognizer.preprocess(encode(ink_box()))
+    out = recognizer.runner(cpu)([blank, inked], lambda: False)
+    assert out[0].token_ids == [] and recognizer.detokenize(out[0]).latex == ""
+    assert not inked.blank
+
+
+# -- decoding ---------------------------------------------------------------------
+
+
+def test_exif_orientation_is_honoured():
+    """A phone stores a landscape photo as portrait pixels plus an orientation tag."""
+    upright = ink_box(size=(200, 60), box=(20, 20, 180, 40))
+    stored = upright.transpose(Image.Transpose.ROTATE_90)  # what the camera wrote
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 degrees clockwise to display"
+    buffer = io.BytesIO()
+    stored.save(buffer, format="JPEG", exif=exif.tobytes())
+    assert decode_image(buffer.getvalue(), max_pixels=10**6).size == (200, 60)
+
+
+def test_16_bit_grayscale_is_scaled_to_8_bits_not_clipped_to_white():
+    pixels = np.full((60, 200), 65535, dtype=np.uint16)
+    pixels[20:35, 50:110] = 20000  # dark gray ink, above 255 in 16 bits
+    image = decode_image(encode(Image.fromarray(pixels)), max_pixels=10**6)
+    assert image.mode.startswith("I")
+    strip = prepare_strip(image, SPEC)
+    assert strip.shape[1] > 0 and strip.min() < 60 and strip[:, :3].min() > 200
+
+
+# -- ink on paper ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ink", "paper"),
+    [
+        ((230, 180, 0), (255, 255, 255)),  # yellow ink
+        ((20, 60, 200), (250, 240, 200)),  # blue ink on cream paper
+        ((222, 222, 222), (40, 42, 54)),  # dark mode: light grey on charcoal
+        ((150, 150, 150), (225, 225, 225)),  # low contrast
+    ],
+    ids=["yellow ink", "blue on cream", "dark mode", "low contrast"],
+)
+def test_any_ink_on_any_paper_becomes_black_on_white(ink, paper):
+    image = Image.new("RGB", (200, 60), paper)
+    image.paste(ink, (50, 20, 80, 35))
+    image.paste(ink, (100, 20, 130, 35))
+    strip = prepare_strip(image, SPEC)
+    gap = strip.shape[1] // 2  # the paper between the two strokes
+    assert strip[:, gap - 2 : gap + 3].min() >= 250, "paper is white"
+    assert strip[12:20, 6 : gap - 20].max() < 40, "ink is black"
+
+
+# -- scale ------------------------------------------------------------------------------
+
+
+def _glyphs(scale: int) -> Image.Image:
+    """Three box-and-bar glyphs with strokes `2 * scale` px thick, drawn `scale` times
+    the size of the 1x drawing."""
+    from PIL import ImageDraw
+
+    image = Image.new("L", (90 * scale, 30 * scale), 255)
+    draw = ImageDraw.Draw(image)
+    for i in range(3):
+        x = (10 + 25 * i) * scale
+        draw.rectangle((x, 9 * scale, x + 12 * scale, 21 * scale), outline=0, width=2 * scale)
+        draw.line((x, 15 * scale, x + 12 * scale, 15 * scale), fill=0, width=2 * scale)
+    return image
+
+
+def scaled_spec() -> FormulaImageSpec:
+    """A model trained on `_glyphs(1)`'s scale: 2 px strokes, upscaled at most twice."""
+    return FormulaImageSpec(height=64, max_width=512, max_upscale=2.0, stroke_width=2.0)
+
+
+def ink_height(strip: np.ndarray) -> int:
+    return int(np.count_nonzero((strip < 128).any(axis=1)))
+
+
+def test_a_hidpi_picture_is_brought_to_the_training_scale_not_blown_up():
+    native = ink_height(prepare_strip(_glyphs(1), scaled_spec()))
+    for scale in (2, 3):
+        assert abs(ink_height(prepare_strip(_glyphs(scale), scaled_spec())) - native) <= 2
+
+
+def test_a_picture_at_the_training_scale_keeps_the_usual_upscale():
+    strip = prepare_strip(_glyphs(1), scaled_spec())
+    assert ink_height(strip) == pytest.approx(2.0 * 13, abs=2)
+
+
+def test_stroke_width_measures_strokes_in_pixels():
+    from models.formula.preprocess import stroke_width
+
+    for scale in (1, 2, 3):
+        assert stroke_width(_glyphs(scale)) == pytest.approx(2.0 * scale, rel=0.2)
+
+
+# -- rotation ---------------------------------------------------------------------------
+
+
+def test_a_picture_tilted_by_two_degrees_is_levelled():
+    level = _glyphs(2)
+    tilted = level.rotate(2, Image.Resampling.BICUBIC, expand=True, fillcolor=255)
+    spec = FormulaImageSpec(height=64, max_width=512, max_upscale=1.0, stroke_width=None)
+    assert (
+        abs(ink_height(prepare_strip(tilted, spec)) - ink_height(prepare_strip(level, spec))) <= 2
+    )
+
+
+def test_a_level_picture_is_not_turned():
+    from models.formula.preprocess import skew_angle
+
+    assert skew_angle(_glyphs(2), 3.0) == 0.0

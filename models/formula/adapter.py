@@ -300,6 +300,10 @@ class FormulaRecognizer(Model):
     def _generate(
         self, device: str, batch: list[FormulaInput], should_stop, max_new_tokens: int | None = None
     ) -> list[FormulaTokens]:
+        if any(item.blank for item in batch):  # no ink, no formula: answered empty, not read
+            inked = [item for item in batch if not item.blank]
+            read = iter(self._generate(device, inked, should_stop, max_new_tokens) if inked else [])
+            return [FormulaTokens([], 0.0) if item.blank else next(read) for item in batch]
         decoder = self._decoders.get(device)
         started = time.perf_counter()
         with out_of_memory_as_batching_error(), torch.inference_mode():
@@ -428,7 +432,13 @@ class FormulaRecognizer(Model):
             decoder.release(list(rows))
 
     def admit(self, decoder, new, rows: dict, feed) -> None:
-        """Admit new requests into free rows; a request that cannot start fails alone."""
+        """Admit new requests into free rows; a request that cannot start fails alone.
+        A request with no ink is answered empty at once."""
+        if any(payload.blank for _, payload in new):
+            feed.done([(key, FormulaTokens([], 0.0)) for key, payload in new if payload.blank])
+            new = [(key, payload) for key, payload in new if not payload.blank]
+            if not new:
+                return
         batch = [payload for _, payload in new]
         try:
             with out_of_memory_as_batching_error():

@@ -1,10 +1,12 @@
 """Formula image preprocessing shared by the server, training and evaluation.
 
 A formula picture becomes a grayscale strip of fixed height and variable width:
-decode, flatten onto white, trim the white margins, scale to the model's
-height keeping the aspect ratio, then pad on the right to the bucket width.
-Training and `make eval-formula` call the same functions, so the model sees
-exactly what the server feeds it.
+decode (honouring EXIF orientation), reduce whatever colours it has to dark ink
+on white paper with full contrast, trim the margins, scale it so that its strokes
+are as thick as in the images the model was trained on and it fits the model's
+height, then pad on the right to the bucket width. A picture with no ink becomes
+an empty strip, which the model does not read. Training and `make eval-formula`
+call the same functions, so the model sees exactly what the server feeds it.
 """
 
 from __future__ import annotations
@@ -21,9 +23,30 @@ from PIL import Image, ImageOps
 from models.errors import CorruptImage, ImageTooLarge, UnsupportedImage
 
 ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "WEBP", "BMP", "GIF"})
+EXIF_ORIENTATION = 0x0112
 
 # Pixels darker than this count as ink when trimming margins (0 = black, 255 = white).
 INK_THRESHOLD = 200
+# Differences from the paper colour up to this are noise (JPEG, scanner, gradients), not ink.
+INK_MIN_CONTRAST = 32
+# A picture needs at least this many pixels each way to hold something legible.
+MIN_SIDE = 4
+# Median stroke width, in pixels, of the im2latex images (im2markup's 200 dpi renders
+# downsampled by 2) that the default model was trained on: `stroke_width` measures it.
+IM2LATEX_STROKE_WIDTH = 1.17
+# `stroke_width` cannot tell strokes under about a pixel apart (an anti-aliased line
+# measures one pixel however thin); below this the glyphs' height decides instead.
+SUBPIXEL_STROKE = 1.1
+# `glyph_height` over `stroke_width` on the im2latex images.
+GLYPH_HEIGHT_PER_STROKE = 6.0
+# Deskew tries tilts this many degrees apart, and turns a picture only when the best one
+# levels its rows this much better than no turn (clean renders stay untouched).
+SKEW_STEP = 0.5
+SKEW_HEIGHT = 48  # px: taller pictures are searched at a reduced size
+SKEW_GAIN = 1.05
+# Measured over scale ratios in this range, a picture keeps its scale: the training
+# images' own spread of stroke widths (bold, large operators, thin fonts).
+SCALE_TOLERANCE = (0.8, 1.25)
 
 
 @dataclass(frozen=True)
@@ -44,6 +67,12 @@ class FormulaImageSpec:
     std: float = 0.5
     margin: int = 2
     max_upscale: float | None = None
+    # The median stroke width (px) of the model's training images at their native scale:
+    # pictures drawn finer or coarser are resampled to it, within `max_upscale`'s role
+    # (so only where `max_upscale` is set). None leaves the scale to the height alone.
+    stroke_width: float | None = IM2LATEX_STROKE_WIDTH
+    # Pictures tilted by up to this many degrees are turned level (0: never).
+    max_skew: float = 3.0
     # Encoders with fixed position embeddings (ViT, DeiT: TrOCR-style models) take
     # one size only; the strip is then stretched to height x max_width.
     fixed_size: bool = False
@@ -68,6 +97,8 @@ class FormulaImageSpec:
             std=float(std[0] if isinstance(std, list) else std),
             margin=int(raw.get("texel_margin", cls.margin)),
             max_upscale=raw.get("texel_max_upscale"),
+            stroke_width=raw.get("texel_stroke_width", cls.stroke_width),
+            max_skew=float(raw.get("texel_max_skew", cls.max_skew)),
             fixed_size=fixed_size,
         )
 
@@ -85,6 +116,8 @@ class FormulaImageSpec:
             "texel_width_multiple": self.width_multiple,
             "texel_margin": self.margin,
             "texel_max_upscale": self.max_upscale,
+            "texel_stroke_width": self.stroke_width,
+            "texel_max_skew": self.max_skew,
         }
 
 
@@ -119,20 +152,66 @@ def decode_image(data: bytes, max_pixels: int) -> Image.Image:
         image.load()
     except Exception as exc:
         raise CorruptImage(f"the {image.format} data could not be decoded: {exc}") from exc
+    if image.getexif().get(EXIF_ORIENTATION, 1) != 1:  # phone photos are stored sideways
+        try:
+            image = ImageOps.exif_transpose(image)
+        except Exception as exc:
+            raise CorruptImage(f"the image's EXIF orientation could not be applied: {exc}") from exc
     return image
 
 
-def to_grayscale(image: Image.Image) -> Image.Image:
-    """Flatten transparency onto white and convert to 8-bit grayscale."""
+def _flat_pixels(image: Image.Image) -> np.ndarray:
+    """8-bit pixels, gray [H, W] or RGB [H, W, 3], transparency flattened onto white and
+    16-bit or float gray scaled to 8 bits (PIL's own conversion clips it to white)."""
+    if image.mode.startswith("I") or image.mode == "F":
+        values = np.asarray(image, dtype=np.float32)
+        if image.mode.startswith("I;16"):
+            full = 65535.0
+        else:  # 32-bit modes: 16-bit PNGs on some Pillow versions, or 0-1 floats
+            peak = float(values.max(initial=0))
+            full = 65535.0 if peak > 255 else 1.0 if image.mode == "F" and peak <= 1 else 255.0
+        return np.clip(np.rint(values * (255.0 / full)), 0, 255).astype(np.uint8)
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         image = Image.alpha_composite(background, rgba)
-    gray = image.convert("L")
-    # Light ink on a dark background: invert so ink is always dark.
-    if np.asarray(gray).mean() < 110:
-        gray = ImageOps.invert(gray)
-    return gray
+    if image.mode in ("L", "RGB"):
+        return np.asarray(image)
+    return np.asarray(image.convert("RGB" if image.mode not in ("1", "L") else "L"))
+
+
+def ink_on_paper(image: Image.Image) -> Image.Image | None:
+    """Dark ink on white paper in 8-bit gray, whatever the picture's colours; None when it
+    holds no ink (blank, uniform, or too small to hold anything legible).
+
+    The paper is the picture's median colour; a pixel's ink is its largest channel
+    difference from it. So coloured ink, tinted paper and dark mode (light ink on a dark
+    background) all become dark on white, and the ink's own level is stretched to black.
+    """
+    if min(image.size) < MIN_SIDE:
+        return None
+    pixels = _flat_pixels(image)
+    height, width = pixels.shape[:2]
+    step = max(1, math.isqrt(height * width // 16384))  # statistics on a sample
+    channels = pixels.reshape(height, width, -1)
+    paper = np.median(channels[::step, ::step].reshape(-1, channels.shape[2]), axis=0)
+    # Per channel, a 256-entry table gives each value's difference from the paper.
+    values = np.arange(256, dtype=np.int16)
+    distance = None
+    for c in range(channels.shape[2]):
+        table = np.abs(values - int(round(float(paper[c])))).astype(np.uint8)
+        here = table[channels[:, :, c]]
+        distance = here if distance is None else np.maximum(distance, here, out=distance)
+    strong = distance[::step, ::step]
+    strong = strong[strong >= INK_MIN_CONTRAST]
+    if strong.size < 64:  # sparse ink in a large picture: look at every pixel
+        strong = distance[distance >= INK_MIN_CONTRAST]
+    if strong.size < MIN_SIDE:
+        return None
+    level = max(float(np.percentile(strong, 90)), 2.0 * INK_MIN_CONTRAST)
+    # One lookup table maps each difference to its stretched gray.
+    lut = np.clip(np.rint(255.0 - np.arange(256) * (255.0 / level)), 0, 255).astype(np.uint8)
+    return Image.fromarray(lut[distance], "L")
 
 
 def trim_margins(gray: Image.Image, margin: int) -> Image.Image:
@@ -148,18 +227,99 @@ def trim_margins(gray: Image.Image, margin: int) -> Image.Image:
     return ImageOps.expand(cropped, border=margin, fill=255)
 
 
-def fit_to_height(gray: Image.Image, spec: FormulaImageSpec) -> Image.Image:
+def _levelness(darkness: np.ndarray) -> float:
+    """How sharply the ink falls into rows: the row profile's sum of squares."""
+    profile = darkness.sum(axis=1)
+    return float(np.dot(profile, profile))
+
+
+def skew_angle(gray: Image.Image, max_degrees: float) -> float:
+    """The rotation (degrees, counter-clockwise) that levels the ink's rows best, within
+    `max_degrees`: formulas sit on baselines and fraction bars, whose row profile is
+    sharpest when level. 0 unless a tilt is clearly better than none."""
+    if max_degrees <= 0 or min(gray.size) < MIN_SIDE:
+        return 0.0
+
+    small = gray.reduce(max(1, gray.height // SKEW_HEIGHT))  # an angle needs no detail
+
+    def levelness(angle: float) -> float:
+        turned = small.rotate(angle, Image.Resampling.BILINEAR, expand=True, fillcolor=255)
+        return _levelness(255.0 - np.asarray(turned, dtype=np.float32))
+
+    level = levelness(0.0)
+    best, best_score = 0.0, level
+    for angle in np.arange(-max_degrees, max_degrees + 1e-6, SKEW_STEP):
+        if abs(angle) > 1e-6:
+            score = levelness(float(angle))
+            if score > best_score:
+                best, best_score = float(angle), score
+    for angle in (best - SKEW_STEP / 2, best + SKEW_STEP / 2):  # one finer step
+        score = levelness(angle)
+        if abs(angle) <= max_degrees and score > best_score:
+            best, best_score = angle, score
+    return best if best_score > level * SKEW_GAIN else 0.0
+
+
+def stroke_width(gray: Image.Image) -> float:
+    """The typical stroke width of the ink, in pixels: twice its area over its outline's
+    length (total variation), both from gray levels, so anti-aliased strokes thinner than
+    a pixel still measure, and blur does not change the estimate."""
+    darkness = 1.0 - np.asarray(gray, dtype=np.float32) / 255.0
+    outline = np.abs(np.diff(darkness, axis=0)).sum() + np.abs(np.diff(darkness, axis=1)).sum()
+    return float(2.0 * darkness.sum() / outline) if outline > 0 else 0.0
+
+
+def glyph_height(gray: Image.Image) -> float:
+    """The typical height of the ink's vertical strokes, in pixels: the length of the
+    vertical ink run through an ink pixel, at its 75th percentile over the ink (so
+    the stems of letters and digits, not the thickness of horizontal strokes)."""
+    ink = np.asarray(gray) < 180
+    columns = np.zeros((ink.shape[1], ink.shape[0] + 2), dtype=np.int8)
+    columns[:, 1:-1] = ink.T
+    edges = np.diff(columns.ravel())
+    runs = np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)
+    if runs.size == 0:
+        return 0.0
+    runs.sort()
+    pixels = np.cumsum(runs)
+    return float(runs[np.searchsorted(pixels, 0.75 * pixels[-1])])
+
+
+def native_upscale(gray: Image.Image, spec: FormulaImageSpec) -> float | None:
+    """`spec.max_upscale` for this picture: the same cap for one drawn at the training
+    scale, proportionally less for a larger drawing (a HiDPI screenshot), more for a
+    smaller one, so that its strokes end up as thick as the model's training images'."""
+    if spec.max_upscale is None or spec.stroke_width is None:
+        return spec.max_upscale
+    measured = stroke_width(gray)
+    if measured <= 0:
+        return spec.max_upscale
+    ratio = spec.stroke_width / measured
+    if measured < SUBPIXEL_STROKE:  # finer than a pixel: only the glyphs' height tells
+        height = glyph_height(gray)
+        if height > 0:
+            ratio = max(ratio, GLYPH_HEIGHT_PER_STROKE * spec.stroke_width / height)
+    if SCALE_TOLERANCE[0] <= ratio <= SCALE_TOLERANCE[1]:
+        return spec.max_upscale  # within the training images' own variety
+    return float(spec.max_upscale) * ratio
+
+
+def fit_to_height(
+    gray: Image.Image, spec: FormulaImageSpec, max_upscale: float | None = None
+) -> Image.Image:
     """Scale to the model's height keeping the aspect ratio; never wider than `max_width`.
 
     A formula too wide for `max_width` at full height is scaled to fit the width
-    and centred vertically on white, as is one that `max_upscale` keeps small.
+    and centred vertically on white, as is one that `max_upscale` (by default the
+    spec's) keeps small.
     """
     if spec.fixed_size:
         return gray.resize((spec.max_width, spec.height), Image.Resampling.BILINEAR)
     width, height = gray.size
     scale = spec.height / height
-    if spec.max_upscale is not None:
-        scale = min(scale, float(spec.max_upscale))
+    cap = spec.max_upscale if max_upscale is None else max_upscale
+    if cap is not None:
+        scale = min(scale, float(cap))
     scale = min(scale, spec.max_width / width)
     new_w = max(1, min(spec.max_width, round(width * scale)))
     new_h = max(1, min(spec.height, round(height * scale)))
@@ -178,9 +338,17 @@ def bucket_width(width: int, spec: FormulaImageSpec, step: int) -> int:
 
 
 def prepare_strip(image: Image.Image, spec: FormulaImageSpec) -> np.ndarray:
-    """Grayscale, trimmed, height-fitted strip as uint8 [height, width] (unpadded)."""
-    gray = trim_margins(to_grayscale(image), spec.margin)
-    return np.asarray(fit_to_height(gray, spec), dtype=np.uint8)
+    """Ink on paper, trimmed, at the training scale, height-fitted: a uint8 strip
+    [height, width] (unpadded); [height, 0] for a picture with no ink."""
+    gray = ink_on_paper(image)
+    if gray is None:
+        return np.full((spec.height, 0), 255, dtype=np.uint8)
+    gray = trim_margins(gray, spec.margin)
+    angle = skew_angle(gray, spec.max_skew)
+    if angle:
+        turned = gray.rotate(angle, Image.Resampling.BICUBIC, expand=True, fillcolor=255)
+        gray = trim_margins(turned, spec.margin)
+    return np.asarray(fit_to_height(gray, spec, native_upscale(gray, spec)), dtype=np.uint8)
 
 
 def pad_strips(strips: list[np.ndarray], width: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -218,6 +386,11 @@ class FormulaInput:
     @property
     def width(self) -> int:
         return int(self.strip.shape[1])
+
+    @property
+    def blank(self) -> bool:
+        """No ink found: there is no formula to read, and the answer is empty."""
+        return self.strip.shape[1] == 0
 
 
 @dataclass(frozen=True)

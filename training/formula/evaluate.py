@@ -280,13 +280,17 @@ def variants_table(
     originals: Sequence[Image.Image],
     references: Sequence[str],
     batch_size: int,
+    only: Sequence[str] | None = None,
 ) -> str:
-    """Scores and preprocessing time per picture variant, as a markdown table."""
+    """Scores and preprocessing time per picture variant (those named in `only`, else
+    every one), as a markdown table."""
     lines = [
         "| picture | BLEU-4 | edit distance | exact | preprocess ms (median / max) |",
         "|---|---:|---:|---:|---:|",
     ]
     for name, make in VARIANTS.items():
+        if only and name not in only:
+            continue
         uploads = [make(image) for image in originals]
         hypotheses, times = transcribe(recognizer, run, preprocessor, uploads, batch_size)
         s = score(references, hypotheses)
@@ -396,6 +400,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="score every picture variant of VARIANTS through the server's adapter",
     )
     parser.add_argument(
+        "--variant",
+        action="append",
+        choices=list(VARIANTS),
+        help="with --variants: only this variant (repeatable; default every one)",
+    )
+    parser.add_argument(
+        "--no-deskew",
+        action="store_true",
+        help="with --variants: preprocess without levelling tilted pictures (max_skew 0)",
+    )
+    parser.add_argument(
         "--keep-scale",
         action="store_true",
         help="with --variants: preprocess without bringing pictures to the training scale "
@@ -416,12 +431,18 @@ def main(argv: Sequence[str] | None = None) -> None:
             args.model, args.device, args.dtype, args.batch_size, args.bucket_width
         )
         preprocessor = recognizer.preprocessor
-        if args.keep_scale:
-            spec = dataclasses.replace(preprocessor.spec, stroke_width=None)
+        changes = {"stroke_width": None} if args.keep_scale else {}
+        changes.update({"max_skew": 0.0} if args.no_deskew else {})
+        if changes:
+            spec = dataclasses.replace(preprocessor.spec, **changes)
             preprocessor = dataclasses.replace(preprocessor, spec=spec)
         originals = [Image.open(images_dir / s.name).convert("RGB") for s in chosen]
         references = [s.formula for s in chosen]
-        print(variants_table(recognizer, run, preprocessor, originals, references, args.batch_size))
+        print(
+            variants_table(
+                recognizer, run, preprocessor, originals, references, args.batch_size, args.variant
+            )
+        )
         return
     model, tokenizer, spec = load_model(args.model, args.device, args.dtype)
     if args.served:  # the server's adapter decodes the image files itself, in the timing
