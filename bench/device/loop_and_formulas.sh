@@ -2,7 +2,7 @@
 # One call on an `nvidia-h200` machine (device tool): Texel's denoising loop against the
 # diffusers pipeline in one process (bench.image_loop, SD-1.5 size, with an operator
 # profile), then formulas served with the shipped settings (4 HTTP processes) at
-# concurrency 1, 128, 256 and 128 again, and LitServe over the same adapter at 128.
+# concurrency 128, 256 and 128 again.
 #   carry: .whl .whlx .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/loop_and_formulas.sh COMMIT
 COMMIT=$1 RESULTS=h200-engine.jsonl
@@ -14,8 +14,5 @@ echo "=== image loop at $(( $(date +%s) - T0 ))s" >> $L
 timeout 240 python3 -m bench.image_loop --model-dir /tmp/sd15 --batch-sizes 1,8 --steps 20 \
     --profile --out $OUT/h200-image-loop.jsonl >> $L 2>&1 || echo "rc=$?" >> $L
 export TEXEL_HTTP_PROCESSES=4
-cmp --servers texel --concurrency 1,128,256
-cmp --servers texel --concurrency 128
-unset TEXEL_HTTP_PROCESSES
-cmp --servers litserve --concurrency 128
+cmp --servers texel --concurrency 128,256,128
 echo "=== all done at $(( $(date +%s) - T0 ))s" >> $L
