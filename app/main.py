@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
 
 from app.errors import install_error_handlers
 from app.http import BodySizeLimit
@@ -19,7 +23,21 @@ from telemetry import setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
 
-UNTRACED_ROUTES = "livez,readyz,metrics"
+UNTRACED_ROUTES = "livez,readyz,metrics,static/"
+# The assets `/docs` loads: shipped in the package, so it works offline. URLs are
+# relative, so they also work behind a path prefix.
+STATIC = Path(__file__).resolve().parent / "static"
+SWAGGER_UI = "static/vendor/swagger-ui"
+
+
+async def swagger_ui(request: Request) -> HTMLResponse:
+    return get_swagger_ui_html(
+        openapi_url="openapi.json",
+        title="Texel - API reference",
+        swagger_js_url=f"{SWAGGER_UI}/swagger-ui-bundle.js",
+        swagger_css_url=f"{SWAGGER_UI}/swagger-ui.css",
+        swagger_favicon_url="static/favicon.svg",
+    )
 
 
 def build_app(settings: Settings, models: dict[str, Model], engines: list[EngineClient]) -> FastAPI:
@@ -42,9 +60,13 @@ def build_app(settings: Settings, models: dict[str, Model], engines: list[Engine
         summary="Printed formulas to LaTeX, and prompts to images, batched on GPUs.",
         version="0.1.0",
         lifespan=lifespan,
+        docs_url=None,  # served below from the package's own Swagger UI, not a CDN
+        redoc_url=None,
     )
     app.state.runtime = runtime
     app.include_router(router)
+    app.add_api_route("/docs", swagger_ui, methods=["GET"], include_in_schema=False)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_upload_bytes=settings.max_upload_bytes)
     if settings.cors_origins:
