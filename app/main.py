@@ -9,7 +9,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse
+from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from app.errors import install_error_handlers
@@ -24,10 +24,14 @@ from telemetry import setup_tracing, shutdown_tracing
 log = logging.getLogger(__name__)
 
 UNTRACED_ROUTES = "livez,readyz,metrics,static/"
-# The assets `/docs` loads: shipped in the package, so it works offline. URLs are
-# relative, so they also work behind a path prefix.
+# The page at `/` and the assets it and `/docs` load: shipped in the package, so both
+# work offline. URLs are relative, so they also work behind a path prefix.
 STATIC = Path(__file__).resolve().parent / "static"
 SWAGGER_UI = "static/vendor/swagger-ui"
+
+
+async def page(request: Request) -> FileResponse:
+    return FileResponse(STATIC / "index.html")
 
 
 async def swagger_ui(request: Request) -> HTMLResponse:
@@ -65,6 +69,7 @@ def build_app(settings: Settings, models: dict[str, Model], engines: list[Engine
     )
     app.state.runtime = runtime
     app.include_router(router)
+    app.add_api_route("/", page, methods=["GET"], include_in_schema=False)
     app.add_api_route("/docs", swagger_ui, methods=["GET"], include_in_schema=False)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     install_error_handlers(app)
