@@ -1,9 +1,10 @@
 """Real observability backends for the tests: fetched by the scripts beside this file.
 
-`prometheus.sh` unpacks Debian's prometheus package; `phoenix.sh` installs Arize
-Phoenix into its own venv. Both cache under `~/.cache/texel/backends`, shared by
-every checkout (or `$TEXEL_BACKENDS_CACHE`), and are called from session fixtures, so
-`make test` alone works on a fresh machine.
+`prometheus.sh` unpacks Debian's prometheus package; `chromium.sh` Debian's chromium
+(and the libraries it needs that the system lacks) for the page tests; `phoenix.sh`
+installs Arize Phoenix into its own venv. All cache under `~/.cache/texel/backends`,
+shared by every checkout (or `$TEXEL_BACKENDS_CACHE`), and are called from fixtures,
+so `make test` alone works on a fresh machine.
 """
 
 from __future__ import annotations
