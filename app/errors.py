@@ -1,4 +1,6 @@
-"""Every error a client sees, as `{"error": {"code", "message"}}`, mapped to HTTP here."""
+"""Every error a client sees, mapped to HTTP here: as `{"error": {"code", "message"}}`, or
+on the OpenAI-compatible routes (`/v1/...`) in OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}`, with the same statuses and codes."""
 
 from __future__ import annotations
 
@@ -38,12 +40,20 @@ log = logging.getLogger(__name__)
 class ApiError(Exception):
     """An error raised by the HTTP layer itself."""
 
-    def __init__(self, status: int, code: str, message: str, headers: dict | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        headers: dict | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.headers = headers or {}
+        self.param = param  # the request field at fault, where one is
 
 
 def malformed(message: str) -> ApiError:
@@ -136,45 +146,67 @@ def to_api_error(exc: Exception) -> ApiError:
     return ApiError(500, "internal_error", "an unexpected error occurred; see the server log")
 
 
+def _field(error: dict) -> str:
+    return ".".join(str(p) for p in error.get("loc", ()) if p not in ("body", "query")) or "body"
+
+
 def validation_error(errors: list) -> ApiError:
     """Fields of a request that do not match its schema: 422, each field named."""
-    details = "; ".join(
-        f"{'.'.join(str(p) for p in e.get('loc', ()) if p not in ('body', 'query')) or 'body'}: "
-        f"{e.get('msg')}"
-        for e in errors
+    details = "; ".join(f"{_field(e)}: {e.get('msg')}" for e in errors)
+    return ApiError(422, "invalid_parameter", details, param=_field(errors[0]) if errors else None)
+
+
+OPENAI_PREFIX = "/v1/"
+
+
+def openai_type(status: int) -> str:
+    """The `type` of an error in OpenAI's shape, from its status."""
+    if status >= 500:
+        return "server_error"
+    return {401: "authentication_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error"
     )
-    return ApiError(422, "invalid_parameter", details)
+
+
+def error_content(error: ApiError, path: str = "") -> dict:
+    """The JSON body of an error on the route at `path`: OpenAI's shape under `/v1/`,
+    Texel's elsewhere."""
+    if path.startswith(OPENAI_PREFIX):
+        detail = {
+            "message": error.message,
+            "type": openai_type(error.status),
+            "param": error.param,
+            "code": error.code,
+        }
+        return {"error": detail}
+    return {"error": {"code": error.code, "message": error.message}}
 
 
 def error_body(error: ApiError) -> bytes:
     """The JSON body of an error, for answers written below the app (app/server.py)."""
-    body = {"error": {"code": error.code, "message": error.message}}
-    return json.dumps(body, separators=(",", ":")).encode()
+    return json.dumps(error_content(error), separators=(",", ":")).encode()
 
 
-def error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"code": error.code, "message": error.message}},
-        status_code=error.status,
-        headers=error.headers,
-    )
+def error_response(error: ApiError, path: str = "") -> JSONResponse:
+    """The answer of an error on the route at `path` (its body's shape depends on it)."""
+    return JSONResponse(error_content(error, path), status_code=error.status, headers=error.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         # Query parameters (the bodies of the routes are validated in app/http.py).
-        return error_response(validation_error(exc.errors()))
+        return error_response(validation_error(exc.errors()), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return error_response(to_api_error(exc))
+        return error_response(to_api_error(exc), request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
-        return error_response(to_api_error(exc))
+        return error_response(to_api_error(exc), request.url.path)

@@ -7,12 +7,13 @@ import contextlib
 import copy
 import logging
 import time
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from app.errors import ApiError, error_response, to_api_error
+from app import openai_api
+from app.errors import ApiError, error_response, openai_type, to_api_error
 from app.http import check_api_key, read_image_upload, read_json, unless_disconnected
 from app.schemas import (
     MAX_SIDE,
@@ -22,6 +23,11 @@ from app.schemas import (
     GeneratedImage,
     GenerateRequest,
     GenerateResponse,
+    ImagesGenerationRequest,
+    ImagesResponse,
+    ModelCard,
+    ModelList,
+    OpenAIErrorBody,
     Readiness,
     RecognizeJSON,
     RecognizeResponse,
@@ -31,12 +37,16 @@ from app.settings import Settings
 from models.errors import InputError
 from telemetry import RequestTrace, metrics
 
+if TYPE_CHECKING:
+    from engine import BatchResult
+    from models.image.adapter import EncodedImages
+
 log = logging.getLogger(__name__)
 
-
 @contextlib.asynccontextmanager
-async def _published_limits(app: FastAPI):
-    """Serve the OpenAPI document with the limits of this server's settings in it."""
+async def _lifespan(app: FastAPI):
+    """Serve the OpenAPI document with the limits of this server's settings in it; note
+    when the server started (for /v1/models)."""
     settings = app.state.runtime.settings
     generic = app.openapi
 
@@ -46,10 +56,11 @@ async def _published_limits(app: FastAPI):
         return app.openapi_schema
 
     app.openapi = openapi
+    app.state.started = int(time.time())
     yield
 
 
-router = APIRouter(lifespan=_published_limits)
+router = APIRouter(lifespan=_lifespan)
 
 ERRORS = {
     status: {"model": ErrorBody, "description": text}
@@ -65,6 +76,13 @@ ERRORS = {
         503: "Models not ready yet, or the server is draining.",
         504: "The request's deadline passed.",
     }.items()
+}
+OPENAI_ERRORS = {
+    status: {
+        "model": OpenAIErrorBody,
+        "description": f"{answer['description']} `type` {openai_type(status)}.",
+    }
+    for status, answer in ERRORS.items()
 }
 
 
@@ -125,7 +143,8 @@ class _Observed:
 
 
 async def _handle(request: Request, route: str, key: str, flow) -> Response:
-    """Common shape of an inference request: checks, stages, metrics and error mapping."""
+    """Common shape of an inference request: checks, stages, metrics and error mapping
+    (the error's body in the shape of the route: app/errors.py)."""
     runtime = runtime_of(request)
     with _Observed(route, key) as observed:
         trace: RequestTrace | None = None
@@ -147,7 +166,18 @@ async def _handle(request: Request, route: str, key: str, flow) -> Response:
                 if error.code == "internal_error":
                     log.error("%s failed", route, exc_info=exc)
             observed.finish(error.status, trace.trace_id if trace else None)
-            return error_response(error)
+            return error_response(error, request.url.path)
+
+
+async def _generated(
+    request: Request, runtime: Runtime, body: GenerateRequest, trace: RequestTrace
+) -> tuple[EncodedImages, BatchResult]:
+    """The images of a validated /generate request and the facts of their batch: the one
+    path of every image route."""
+    from models.image.adapter import ImageRequest
+
+    job = ImageRequest(**body.model_dump())
+    return await unless_disconnected(request, runtime.serve("image", job, trace))
 
 
 @router.post(
@@ -202,6 +232,7 @@ async def recognize(request: Request) -> Response:
     return await _handle(request, "/recognize", "formula", flow)
 
 
+
 @router.post(
     "/generate",
     response_model=GenerateResponse,
@@ -223,7 +254,6 @@ async def recognize(request: Request) -> Response:
 )
 async def generate(request: Request) -> Response:
     """A text prompt in, images out. The same seed and parameters give the same image."""
-    from models.image.adapter import ImageRequest
 
     async def flow(runtime: Runtime, model: str, trace: RequestTrace) -> Response:
         with trace.stage("http.parse"):
@@ -231,8 +261,7 @@ async def generate(request: Request) -> Response:
             wants_png = "image/png" in request.headers.get("accept", "")
             if wants_png and body.num_images != 1:
                 raise ApiError(422, "invalid_parameter", "Accept: image/png needs num_images = 1")
-            job = ImageRequest(**body.model_dump())
-        images, result = await unless_disconnected(request, runtime.serve("image", job, trace))
+        images, result = await _generated(request, runtime, body, trace)
         pngs, seeds = images.pngs, images.seeds
         if wants_png:
             return Response(
@@ -255,6 +284,66 @@ async def generate(request: Request) -> Response:
         return JSONResponse(out.model_dump())
 
     return await _handle(request, "/generate", "image", flow)
+
+
+# -- OpenAI-compatible routes (app/openai_api.py translates) -----------------------------
+
+
+@router.post(
+    "/v1/images/generations",
+    response_model=ImagesResponse,
+    responses=OPENAI_ERRORS,
+    dependencies=[Depends(authorized)],
+    summary="Generate images from a prompt, as OpenAI's images API does",
+    tags=["OpenAI-compatible"],
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": ImagesGenerationRequest.model_json_schema()}
+            },
+        }
+    },
+)
+async def openai_images(request: Request) -> Response:
+    """OpenAI's `images.generate`: `prompt`, `model`, `n`, `size` (`WxH`),
+    `response_format` b64_json; Texel's `seed`, `steps`, `guidance_scale` and
+    `negative_prompt` as extensions. Runs as /generate does."""
+
+    async def flow(runtime: Runtime, model: str, trace: RequestTrace) -> Response:
+        with trace.stage("http.parse"):
+            body = await read_json(request, ImagesGenerationRequest)
+            generate = openai_api.generate_request(body, model)
+        images, _ = await _generated(request, runtime, generate, trace)
+        return JSONResponse(openai_api.images_response(images.pngs, images.seeds).model_dump())
+
+    return await _handle(request, "/v1/images/generations", "image", flow)
+
+
+@router.get(
+    "/v1/models",
+    response_model=ModelList,
+    responses={401: OPENAI_ERRORS[401]},
+    dependencies=[Depends(authorized)],
+    summary="The served models, with their limits, as OpenAI lists models",
+    tags=["OpenAI-compatible"],
+)
+async def openai_models(request: Request) -> JSONResponse:
+    runtime = runtime_of(request)
+    return JSONResponse(openai_api.model_list(runtime, request.app.state.started).model_dump())
+
+
+@router.get(
+    "/v1/models/{model}",
+    response_model=ModelCard,
+    responses={401: OPENAI_ERRORS[401], 404: OPENAI_ERRORS[404]},
+    dependencies=[Depends(authorized)],
+    summary="One served model, with its limits",
+    tags=["OpenAI-compatible"],
+)
+async def openai_model(request: Request, model: str) -> JSONResponse:
+    card = openai_api.find_model(runtime_of(request), model, request.app.state.started)
+    return JSONResponse(card.model_dump())
 
 
 @router.get("/livez", summary="The process is up")

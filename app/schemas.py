@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 # Bounds no settings can raise; the settings' own (TEXEL_IMAGE__MAX_SIDE and
@@ -9,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_SIDE = 4096
 MAX_STEPS = 1000
 SIZE_MULTIPLE = 8
+MAX_IMAGES = 4  # images of one /generate request
+MAX_PROMPT_CHARS = 2000
 
 
 class ErrorDetail(BaseModel):
@@ -41,9 +45,11 @@ class RecognizeResponse(BaseModel):
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str = Field(min_length=1, max_length=2000, description="What to draw.")
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="What to draw.")
     negative_prompt: str | None = Field(
-        None, max_length=2000, description="What to steer away from (needs guidance > 1)."
+        None,
+        max_length=MAX_PROMPT_CHARS,
+        description="What to steer away from (needs guidance > 1).",
     )
     width: int | None = Field(
         None,
@@ -71,7 +77,9 @@ class GenerateRequest(BaseModel):
         le=2**32 - 1,
         description="Seed of the first image; image i uses seed + i. Random when absent.",
     )
-    num_images: int = Field(1, ge=1, le=4, description="Images to generate for this prompt.")
+    num_images: int = Field(
+        1, ge=1, le=MAX_IMAGES, description="Images to generate for this prompt."
+    )
 
 
 class GeneratedImage(BaseModel):
@@ -90,3 +98,71 @@ class Readiness(BaseModel):
     ready: bool
     draining: bool
     models: dict[str, str] = Field(description="Each model's state: loading, ready or failed.")
+
+
+# -- the OpenAI-compatible routes (app/openai_api.py) ------------------------------------
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str = Field(description="What went wrong and what to do about it.")
+    type: str = Field(description="invalid_request_error, authentication_error, ...")
+    param: str | None = Field(description="The request field at fault, where one is.")
+    code: str = Field(description="Texel's error code, as on its own routes.")
+
+
+class OpenAIErrorBody(BaseModel):
+    error: OpenAIErrorDetail
+
+
+class ImagesGenerationRequest(BaseModel):
+    """OpenAI's `POST /v1/images/generations` body, with Texel's parameters as extensions.
+    Bounds are those of /generate."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(description="What to draw.")
+    model: str | None = Field(None, description="The image model's id; default: the served one.")
+    n: int = Field(1, description="Images to generate (1..4).")
+    size: str | None = Field(
+        None, description="`WIDTHxHEIGHT` in pixels, e.g. `512x512`; `auto` or absent: the model's."
+    )
+    response_format: Literal["b64_json", "url"] | None = Field(
+        None, description="b64_json (the default). `url` is refused: Texel stores no images."
+    )
+    user: str | None = Field(None, description="Accepted for compatibility; unused.")
+    negative_prompt: str | None = Field(None, description="Texel extension: as on /generate.")
+    steps: int | None = Field(
+        None, description="Texel extension: denoising steps (/generate's num_inference_steps)."
+    )
+    guidance_scale: float | None = Field(None, description="Texel extension: as on /generate.")
+    seed: int | None = Field(
+        None, description="Texel extension: seed of the first image; image i uses seed + i."
+    )
+
+
+class ImageData(BaseModel):
+    b64_json: str = Field(description="The PNG file, base64-encoded.")
+    seed: int = Field(description="Texel extension: the seed that reproduces this image.")
+
+
+class ImagesResponse(BaseModel):
+    created: int = Field(description="Unix time of the answer, in seconds.")
+    data: list[ImageData]
+
+
+class ModelCard(BaseModel):
+    id: str = Field(description="The name to send as `model`.")
+    object: Literal["model"] = "model"
+    created: int = Field(description="Unix time at which this server started, in seconds.")
+    owned_by: str = "texel"
+    task: str = Field(description="Texel extension: image_generation or formula_recognition.")
+    state: str = Field(description="Texel extension: loading, ready, failed or unavailable.")
+    limits: dict[str, Any] = Field(
+        description="Texel extension: what the server accepts, and what the loaded model "
+        "says of itself (its defaults, for example)."
+    )
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,243 @@
+"""The OpenAI-compatible routes, driven by the official `openai` client against real
+servers with tiny models."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from PIL import Image
+
+from app.launcher import single_process_app
+from app.settings import Settings
+from tests.conftest import free_port
+
+PROMPT = "a red circle on a blue background"
+
+
+def client_of(url: str, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return client_of(server.url)
+
+
+def decoded(item) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(item.b64_json)))
+
+
+def openai_error(exc: openai.APIStatusError) -> dict:
+    """The error object of the answer, checked to be in OpenAI's shape."""
+    body = exc.response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+# -- images -------------------------------------------------------------------------------
+
+
+def test_images_decode_as_pngs_of_the_requested_size(client):
+    answer = client.images.generate(prompt=PROMPT, size="48x32", extra_body={"seed": 1, "steps": 1})
+    assert abs(answer.created - time.time()) < 120
+    (image,) = answer.data
+    picture = decoded(image)
+    assert picture.format == "PNG" and picture.size == (48, 32)
+
+
+def test_n_asks_for_that_many_images_with_consecutive_seeds(client):
+    answer = client.images.generate(prompt=PROMPT, n=3, extra_body={"seed": 40, "steps": 1})
+    assert [item.model_extra["seed"] for item in answer.data] == [40, 41, 42]
+    assert len({item.b64_json for item in answer.data}) == 3
+    assert all(decoded(item).format == "PNG" for item in answer.data)
+
+
+def test_an_image_through_v1_is_the_one_generate_makes(client, server):
+    params = {"seed": 77, "steps": 2, "guidance_scale": 2.0, "negative_prompt": "green"}
+    openai_png = client.images.generate(prompt=PROMPT, extra_body=params).data[0].b64_json
+    texel = httpx.post(
+        server.url + "/generate",
+        json={
+            "prompt": PROMPT,
+            "seed": 77,
+            "num_inference_steps": 2,
+            "guidance_scale": 2.0,
+            "negative_prompt": "green",
+        },
+        timeout=60,
+    )
+    assert texel.json()["images"][0]["png_base64"] == openai_png
+
+
+STAGES = ("http.parse", "preprocess", "tokenize", "queue.wait", "generate", "postprocess")
+
+
+def counts(server) -> dict[str, float]:
+    """The v1 route's answered requests and the image model's stage samples, read at once."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    wanted = {
+        "route": "texel_request_duration_seconds_count"
+        '{route="/v1/images/generations",status="200"}',
+        **{
+            stage: f'texel_stage_duration_seconds_count{{model="image",stage="{stage}"}}'
+            for stage in STAGES
+        },
+    }
+    values = dict.fromkeys(wanted, 0.0)
+    for line in text.splitlines():
+        for name, series in wanted.items():
+            if line.startswith(series + " "):
+                values[name] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def test_v1_images_run_the_stages_and_metrics_of_generate(client, server):
+    before = counts(server)
+    client.images.generate(prompt=PROMPT, extra_body={"seed": 5, "steps": 1})
+    after = counts(server)
+    assert {name: after[name] - before[name] for name in before} == dict.fromkeys(before, 1)
+
+
+@pytest.mark.parametrize("size", ["33x33", "big", "4096x4096"])
+def test_a_size_texel_cannot_make_is_refused_422_in_openai_shape(client, size):
+    with pytest.raises(openai.UnprocessableEntityError) as raised:
+        client.images.generate(prompt=PROMPT, size=size)
+    error = openai_error(raised.value)
+    assert error["code"] == "invalid_parameter" and error["type"] == "invalid_request_error"
+    assert "size" in error["message"] or "width" in error["message"]
+
+
+def test_a_size_out_of_form_names_the_size_as_the_param(client):
+    with pytest.raises(openai.UnprocessableEntityError) as raised:
+        client.images.generate(prompt=PROMPT, size="33x33")
+    assert raised.value.param == "size"
+
+
+def test_the_url_response_format_is_refused_400_saying_texel_stores_no_images(client):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.images.generate(prompt=PROMPT, response_format="url")
+    error = openai_error(raised.value)
+    assert error["param"] == "response_format" and error["code"] == "unsupported_response_format"
+    assert "b64_json" in error["message"] and "stores no images" in error["message"]
+
+
+def test_a_prompt_longer_than_the_text_encoder_reads_is_refused_422(client):
+    with pytest.raises(openai.UnprocessableEntityError) as raised:
+        client.images.generate(prompt="a red circle " * 40)
+    error = openai_error(raised.value)
+    assert error["code"] == "invalid_parameter" and "tokens" in error["message"]
+
+
+def test_more_images_than_a_request_may_ask_is_refused_naming_n(client):
+    with pytest.raises(openai.UnprocessableEntityError) as raised:
+        client.images.generate(prompt=PROMPT, n=5)
+    assert openai_error(raised.value)["param"] == "n"
+
+
+def test_a_model_not_served_is_refused_404_model_not_found(client):
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.images.generate(prompt=PROMPT, model="dall-e-3")
+    error = openai_error(raised.value)
+    assert (error["code"], error["param"]) == ("model_not_found", "model")
+
+
+def test_the_served_image_model_may_be_named(client):
+    answer = client.images.generate(
+        prompt=PROMPT, model="image", extra_body={"seed": 2, "steps": 1}
+    )
+    assert len(answer.data) == 1
+
+
+def test_an_unknown_v1_route_answers_in_openai_shape(server):
+    response = httpx.post(server.url + "/v1/chat/completions", json={})
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# -- models -------------------------------------------------------------------------------
+
+
+def test_v1_models_lists_the_served_models(client):
+    models = {model.id: model for model in client.models.list()}
+    assert set(models) == {"formula", "image"}
+    assert {model.owned_by for model in models.values()} == {"texel"}
+    assert all(model.object == "model" and model.created > 0 for model in models.values())
+
+
+def test_the_image_model_states_its_defaults_and_limits(client):
+    limits = client.models.retrieve("image").model_extra["limits"]
+    assert limits["default_size"] == "32x32"
+    assert (limits["max_side"], limits["max_steps"], limits["max_images"]) == (1024, 100, 4)
+    assert limits["size_multiple"] == 8 and limits["default_steps"] >= 1
+
+
+def test_retrieving_a_model_not_served_is_404_in_openai_shape(client):
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.models.retrieve("dall-e-3")
+    assert openai_error(raised.value)["code"] == "model_not_found"
+
+
+# -- API keys -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def in_process(settings: Settings):
+    """The one-process app on a socket, served by uvicorn in a thread: its URL."""
+    app = single_process_app(settings)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/readyz").status_code == 200:
+                break
+        time.sleep(0.1)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_models):
+    settings = Settings(
+        device="cpu",
+        api_keys=["sk-texel-test"],
+        formula={"enabled": False, "model": str(tiny_models["formula"])},
+        image={"model": str(tiny_models["image"])},
+    )
+    with in_process(settings) as url:
+        yield url
+
+
+def test_a_wrong_api_key_raises_authentication_error_in_openai_shape(keyed):
+    with pytest.raises(openai.AuthenticationError) as raised:
+        client_of(keyed, api_key="sk-wrong").images.generate(prompt=PROMPT)
+    error = openai_error(raised.value)
+    assert (error["code"], error["type"]) == ("unauthorized", "authentication_error")
+
+
+def test_listing_models_needs_the_api_key_too(keyed):
+    with pytest.raises(openai.AuthenticationError):
+        client_of(keyed, api_key="sk-wrong").models.list()
+
+
+def test_the_right_api_key_generates(keyed):
+    answer = client_of(keyed, api_key="sk-texel-test").images.generate(
+        prompt=PROMPT, extra_body={"steps": 1}
+    )
+    assert decoded(answer.data[0]).size == (32, 32)
