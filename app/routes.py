@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import copy
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse
 from app import openai_api
 from app.errors import ApiError, error_response, openai_type, to_api_error
 from app.http import check_api_key, read_image_upload, read_json, unless_disconnected
+from app.recognition_cache import RecognitionCache
 from app.schemas import (
     MAX_SIDE,
     MAX_STEPS,
@@ -43,10 +45,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# An image hashed for the recognition cache above this size is hashed on the thread pool
+# (hashlib lets go of the GIL), not on the event loop.
+HASH_INLINE_BYTES = 1 << 20
+
+
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI):
-    """Serve the OpenAPI document with the limits of this server's settings in it; note
-    when the server started (for /v1/models)."""
+    """Serve the OpenAPI document with the limits of this server's settings in it; make
+    the process's recognition cache; note when the server started (for /v1/models)."""
     settings = app.state.runtime.settings
     generic = app.openapi
 
@@ -56,6 +63,11 @@ async def _lifespan(app: FastAPI):
         return app.openapi_schema
 
     app.openapi = openapi
+    decoding = settings.formula.advanced
+    app.state.recognition_cache = RecognitionCache.of_megabytes(
+        settings.formula.cache_mb,
+        variant=(decoding.decoder, decoding.num_beams, decoding.max_new_tokens),
+    )
     app.state.started = int(time.time())
     yield
 
@@ -214,12 +226,36 @@ async def recognize(request: Request) -> Response:
     Send the file as multipart field `image`, or as JSON `{"image_base64": "..."}`.
     """
 
+    cache: RecognitionCache = request.app.state.recognition_cache
+
     async def flow(runtime: Runtime, model: str, trace: RequestTrace) -> Response:
+        key = None
         with trace.stage("http.parse"):
             data = await read_image_upload(request, runtime.settings.max_upload_bytes)
+            if cache.enabled:
+                key = await _cache_key(runtime, cache, data, model)
+        if key is not None:
+            cached = cache.get(key)
+            trace.parent.set_attribute("texel.cache.hit", cached is not None)
+            if cached is not None:
+                metrics.RECOGNITION_CACHE_HITS.labels(model).inc()
+                body = RecognizeResponse(
+                    latex=cached.latex,
+                    latex_compact=cached.compact,
+                    model=model,
+                    batch_size=0,
+                    timings_ms=trace.timings_ms,
+                    cached=True,
+                )
+                return JSONResponse(body.model_dump())
+            metrics.RECOGNITION_CACHE_MISSES.labels(model).inc()
         recognized, result = await unless_disconnected(
             request, runtime.serve("formula", data, trace)
         )
+        if key is not None:
+            evicted = cache.put(key, recognized.latex, recognized.compact)
+            if evicted:
+                metrics.RECOGNITION_CACHE_EVICTIONS.labels(model).inc(evicted)
         body = RecognizeResponse(
             latex=recognized.latex,
             latex_compact=recognized.compact,
@@ -231,6 +267,12 @@ async def recognize(request: Request) -> Response:
 
     return await _handle(request, "/recognize", "formula", flow)
 
+
+async def _cache_key(runtime: Runtime, cache: RecognitionCache, data: bytes, model: str) -> bytes:
+    if len(data) <= HASH_INLINE_BYTES:
+        return cache.key(data, model)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(runtime.pool, cache.key, data, model)
 
 
 @router.post(

@@ -38,8 +38,15 @@ class RecognizeResponse(BaseModel):
     latex: str = Field(description="Normalized LaTeX, tokens separated by spaces.")
     latex_compact: str = Field(description="The same LaTeX without the separating spaces.")
     model: str = Field(description="The model that answered.")
-    batch_size: int = Field(description="Size of the batch this request ran in.")
+    batch_size: int = Field(
+        description="Size of the batch this request ran in; 0 for an answer from the cache."
+    )
     timings_ms: dict[str, float] = Field(description="Milliseconds spent in each stage.")
+    cached: bool = Field(
+        False,
+        description="The answer came from this server's recognition cache: the same image "
+        "bytes were recognized before by the same model and decoding settings.",
+    )
 
 
 class GenerateRequest(BaseModel):

@@ -79,6 +79,13 @@ class FormulaSettings(ModelSettings):
         description="VisionEncoderDecoderModel directory or hub id.",
     )
     max_batch_size: int = Field(16, ge=1, le=1024, description="Largest batch run at once.")
+    cache_mb: float = Field(
+        64.0,
+        ge=0,
+        description="Memory of each HTTP process's recognition cache, in MiB: the same image "
+        "bytes, recognized before with the same model and decoding settings, are answered "
+        "from it without reaching the engine; 0 turns it off.",
+    )
     advanced: FormulaAdvanced = Field(default_factory=FormulaAdvanced)
 
     def factory(self, settings: Settings, devices: list[torch.device]) -> Callable[[], Model]:

@@ -121,6 +121,25 @@ IMAGES_GENERATED = Counter(
     ["model"],
     registry=REGISTRY,
 )
+RECOGNITION_CACHE_HITS = Counter(
+    "texel_recognition_cache_hits",
+    "/recognize requests answered from the recognition cache of their HTTP process.",
+    ["model"],
+    registry=REGISTRY,
+)
+RECOGNITION_CACHE_MISSES = Counter(
+    "texel_recognition_cache_misses",
+    "/recognize requests looked up in the recognition cache and not found there.",
+    ["model"],
+    registry=REGISTRY,
+)
+RECOGNITION_CACHE_EVICTIONS = Counter(
+    "texel_recognition_cache_evictions",
+    "Answers dropped from a recognition cache, least recently used first, to stay within "
+    "TEXEL_FORMULA__CACHE_MB.",
+    ["model"],
+    registry=REGISTRY,
+)
 EVENT_LOOP_LAG = Histogram(
     "texel_event_loop_lag_seconds",
     "How late the event loop ran a timer that was due (sampled every 100 ms). Lag "

@@ -31,7 +31,14 @@ def traced_server(tiny_models):
     exporter = InMemorySpanExporter()
     settings = Settings(
         device="cpu",
-        formula={"model": str(tiny_models["formula"]), "max_wait_ms": 200, "max_batch_size": 4},
+        # Every request computed, none answered from the recognition cache: these tests
+        # follow the spans of the stages and batches it would skip.
+        formula={
+            "model": str(tiny_models["formula"]),
+            "max_wait_ms": 200,
+            "max_batch_size": 4,
+            "cache_mb": 0,
+        },
         image={"enabled": False, "model": str(tiny_models["image"])},
     )
     app = single_process_app(settings)
