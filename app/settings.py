@@ -163,6 +163,7 @@ class ImageSettings(ModelSettings):
             compile=self.compile,
             continuous=self.advanced.continuous,
             png_compress_level=self.advanced.png_compress_level,
+            deadline_s=settings.request_timeout_s,
         )
 
 

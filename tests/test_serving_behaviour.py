@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import signal
 import socket
 import threading
@@ -36,19 +37,52 @@ def test_overload_gets_429_with_retry_after_and_every_accepted_request_succeeds(
     )
 
 
-def test_a_request_past_its_deadline_gets_504_and_frees_the_worker(start_server):
-    server = start_server(TEXEL_REQUEST_TIMEOUT_S="1", TEXEL_IMAGE__MAX_STEPS="5000")
+def test_a_request_that_cannot_finish_in_time_is_refused_before_it_runs(start_server):
+    """Its predicted time (the image model's speed, measured at warm-up) is past the
+    deadline: 422 at once, and the device stays free for the next request."""
+    server = start_server(TEXEL_REQUEST_TIMEOUT_S="1", TEXEL_IMAGE__MAX_STEPS="1000")
     with server.client() as client:
         started = time.monotonic()
         response = client.post(
-            "/generate", json={"prompt": "never done", "num_inference_steps": 900}
+            "/generate", json={"prompt": "never done", "num_inference_steps": 1000}
         )
-        assert response.status_code == 504
-        assert response.json()["error"]["code"] == "deadline_exceeded"
-        assert time.monotonic() - started < 5
-        # The abandoned generation stops at its next step, so the next request is served.
+        assert response.status_code == 422
+        error = response.json()["error"]
+        assert error["code"] == "invalid_parameter" and "longer than the 1 s" in error["message"]
         quick = client.post("/generate", json={"prompt": "quick", "num_inference_steps": 2})
         assert quick.status_code == 200
+        assert time.monotonic() - started < 5
+
+
+def test_an_admitted_request_that_runs_past_its_deadline_gets_504(start_server):
+    """(That its work then stops at the next step: tests/test_image_adapter.py.)"""
+    server = start_server(
+        TEXEL_REQUEST_TIMEOUT_S="2", TEXEL_IMAGE__MAX_STEPS="1000",
+        TEXEL_IMAGE__MAX_BATCH_SIZE="1",
+    )  # fmt: skip
+    with server.client() as client:
+        # How long a step takes here, from what the server predicts for 4,000 of them.
+        probe = client.post(
+            "/generate", json={"prompt": "probe", "num_inference_steps": 1000, "num_images": 4}
+        )
+        predicted_s = float(re.search(r"about (\d+) s", probe.json()["error"]["message"])[1])
+        steps = max(2, min(1000, int(1.3 * 4000 / predicted_s)))  # about 1.3 s: admitted
+
+    def post(i):
+        with server.client() as client:
+            return client.post(
+                "/generate", json={"prompt": f"slow {i}", "num_inference_steps": steps}
+            )
+
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        responses = list(pool.map(post, range(2)))
+    # One runs while the other waits for the device; the one that waits runs past 2 s.
+    codes = [r.status_code for r in responses]
+    assert 504 in codes, codes
+    late = next(r for r in responses if r.status_code == 504)
+    assert late.json()["error"]["code"] == "deadline_exceeded"
+    assert time.monotonic() - started < 6  # answered at the deadline, not when done
 
 
 def test_a_client_that_disconnects_frees_its_queue_slot(start_server):

@@ -21,6 +21,7 @@ import inspect
 import io
 import json
 import logging
+import math
 import secrets
 import threading
 import time
@@ -115,6 +116,23 @@ class ImageDefaults:
     guidance: float
 
 
+@dataclass(frozen=True)
+class ImageSpeed:
+    """What one image costs alone on the engine's device, measured during warm-up: at
+    the default size, seconds per denoising step and once (text encoding, VAE decode);
+    other sizes scale with their pixels to the power `exponent` (from a run at twice
+    the side; at least 1, linear, and at most 2, attention's quadratic cost)."""
+
+    step_s: float
+    fixed_s: float
+    exponent: float = 1.0
+
+    def estimate_s(self, images: int, pixels_ratio: float, steps: int) -> float:
+        """Seconds for `images` of `pixels_ratio` times the default pixels, alone."""
+        scale = pixels_ratio**self.exponent
+        return images * scale * (self.fixed_s + steps * self.step_s)
+
+
 class ImageGenerator(Model):
     """Adapter for text-to-image generation with a diffusers pipeline."""
 
@@ -134,6 +152,7 @@ class ImageGenerator(Model):
         compile: str = "off",
         continuous: bool = True,
         png_compress_level: int = 1,
+        deadline_s: float | None = None,
     ) -> None:
         super().__init__(source, model_name(source, name))
         self.devices = devices
@@ -145,6 +164,8 @@ class ImageGenerator(Model):
             raise ValueError(f"compile must be off, batch or dynamic; got {compile!r}")
         self.compile_setting = compile
         self.continuous = continuous
+        self.deadline_s = deadline_s  # requests that cannot finish within it are refused
+        self.speed: ImageSpeed | None = None
         self.defaults: ImageDefaults | None = None
         self.size_multiple = 8
         self._pipes: dict[str, DiffusionPipeline] = {}
@@ -181,12 +202,18 @@ class ImageGenerator(Model):
         self.defaults = self._read_defaults(pipe)
 
     def describe(self) -> dict:
-        return {"defaults": dataclasses.asdict(self._defaults), "size_multiple": self.size_multiple}
+        return {
+            "defaults": dataclasses.asdict(self._defaults),
+            "size_multiple": self.size_multiple,
+            "speed": None if self.speed is None else dataclasses.asdict(self.speed),
+        }
 
     def attach(self, description: dict) -> None:
-        """Take the defaults the engine read from the loaded pipeline."""
+        """Take the defaults and speed the engine read from the loaded pipeline."""
         self.defaults = ImageDefaults(**description["defaults"])
         self.size_multiple = description["size_multiple"]
+        speed = description.get("speed")
+        self.speed = None if speed is None else ImageSpeed(**speed)
 
     def warmup(self, device: torch.device, max_batch_size: int) -> None:
         """A full batch at the default settings on `device`, on its worker thread. A
@@ -199,18 +226,49 @@ class ImageGenerator(Model):
         job = ImageJob("warm-up", None, d.width, d.height, min(d.steps, 2), d.guidance, (0,))
         if self.compile_setting == "off":
             self._generate(str(device), [job] * max_batch_size, lambda: False)
+            self.speed = self._measure_speed(device)
             return
         started = time.perf_counter()
         for size in range(max_batch_size, 0, -1):
             self._generate(str(device), [job] * size, lambda: False)
         unguided = ImageJob("warm-up", None, d.width, d.height, 2, 1.0, (0,))
         self._generate(str(device), [unguided], lambda: False)
+        self.speed = self._measure_speed(device)
         log.info(
             "UNet on %s compiled (%s) in %.1f s",
             device,
             self.compile_setting,
             time.perf_counter() - started,
         )
+
+    def _measure_speed(self, device: torch.device) -> ImageSpeed:
+        """Time one default image alone at 1 and 5 steps (the slope is a step's cost, the
+        rest what an image costs once), and one step at twice the side."""
+        d = self._defaults
+
+        def timed(steps: int, scale: int = 1) -> float:
+            width, height = self._within_max_side(d.width * scale, d.height * scale)
+            job = ImageJob("speed", None, width, height, steps, d.guidance, (0,))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            self._generate(str(device), [job], lambda: False)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return time.perf_counter() - started
+
+        one, five = min(timed(1) for _ in range(2)), min(timed(5) for _ in range(2))
+        step_s = max((five - one) / 4, 0.0)
+        exponent = 1.0
+        width, height = self._within_max_side(2 * d.width, 2 * d.height)
+        if width * height > d.width * d.height and one > 0:
+            ratio = (width * height) / (d.width * d.height)
+            exponent = math.log(max(timed(1, 2), one) / one) / math.log(ratio)
+        return ImageSpeed(step_s, max(one - step_s, 0.0), min(max(exponent, 1.0), 2.0))
+
+    def _within_max_side(self, width: int, height: int) -> tuple[int, int]:
+        m = self.size_multiple
+        return (min(width, self.max_side) // m * m, min(height, self.max_side) // m * m)
 
     # -- per request ---------------------------------------------------------
 
@@ -261,6 +319,16 @@ class ImageGenerator(Model):
         guidance = d.guidance if request.guidance_scale is None else request.guidance_scale
         seed = secrets.randbelow(2**31) if request.seed is None else request.seed
         seeds = tuple(seed + i for i in range(request.num_images))
+        if self.speed is not None and self.deadline_s is not None:
+            pixels_ratio = (width * height) / (d.width * d.height)
+            estimate_s = self.speed.estimate_s(request.num_images, pixels_ratio, steps)
+            if estimate_s > self.deadline_s:
+                raise InvalidParameter(
+                    f"{request.num_images} image(s) of {width}x{height} in {steps} steps "
+                    f"would take about {estimate_s:.0f} s on this server, longer than the "
+                    f"{self.deadline_s:g} s a request may take; ask for fewer images, steps "
+                    f"or pixels"
+                )
         return ImageJob(
             prompt=request.prompt,
             negative_prompt=request.negative_prompt,
