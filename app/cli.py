@@ -5,24 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import warnings
 
 from app.launcher import serve
 
 
 def quiet_third_party() -> None:
-    """Silence the notices every start printed that look like errors and are not: the
-    image pipeline is opened with diffusers' `torch_dtype` argument (a FutureWarning),
-    and transformers says twice that it falls back to its PIL image processors without
-    torchvision, which Texel never installs. Each is matched by its category or logger
-    and its own text, so any other warning still shows. Run at import, so the engine and
-    HTTP processes the launcher spawns (which import this module again) are quiet too."""
-    warnings.filterwarnings(
-        "ignore",
-        message=r"`torch_dtype` is deprecated",
-        category=FutureWarning,
-        module=r"diffusers\.utils\.deprecation_utils",
-    )
+    """Silence a notice every start printed that looks like an error and is not:
+    transformers says twice that it falls back to its PIL image processors without
+    torchvision, which Texel never installs. Matched by its logger and its own text, so
+    any other message still shows. Run at import, so the engine and HTTP processes the
+    launcher spawns (which import this module again) are quiet too."""
     logging.getLogger("transformers.utils.import_utils").addFilter(
         lambda record: "requires torchvision (not installed)" not in record.getMessage()
     )

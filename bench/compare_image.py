@@ -163,7 +163,7 @@ def raw_throughput(model: Path, batch_sizes: list[int], steps: int, guidance: fl
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     pipe = DiffusionPipeline.from_pretrained(
-        str(model), torch_dtype=torch.float16 if cuda else torch.float32
+        str(model), dtype=torch.float16 if cuda else torch.float32
     ).to(device)
     pipe.set_progress_bar_config(disable=True)
     if compile != "off":

@@ -34,7 +34,7 @@ def time_variant(model: Path, variant: str, batch_sizes: list[int], args) -> lis
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = torch.float16 if cuda else torch.float32
-    pipe = DiffusionPipeline.from_pretrained(str(model), torch_dtype=dtype).to(device)
+    pipe = DiffusionPipeline.from_pretrained(str(model), dtype=dtype).to(device)
     pipe.set_progress_bar_config(disable=True)
     if "channels_last" in variant:
         pipe.unet.to(memory_format=torch.channels_last)

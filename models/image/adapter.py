@@ -191,7 +191,7 @@ class ImageGenerator(Model):
     def load(self, device: torch.device) -> None:
         """The pipeline on `device`."""
         dtype = resolve_dtype(self.dtype_setting, device, torch.float16)
-        pipe = DiffusionPipeline.from_pretrained(self.source, torch_dtype=dtype)
+        pipe = DiffusionPipeline.from_pretrained(self.source, dtype=dtype)
         pipe.set_progress_bar_config(disable=True)
         pipe.to(device)
         if self.compile_setting != "off":

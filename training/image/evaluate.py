@@ -73,7 +73,7 @@ def cases() -> list[Case]:
 
 
 def load(model: str | Path, device: str = "cpu") -> tuple[DiffusionPipeline, dict]:
-    pipe = DiffusionPipeline.from_pretrained(str(model), torch_dtype=torch.float32).to(device)
+    pipe = DiffusionPipeline.from_pretrained(str(model), dtype=torch.float32).to(device)
     pipe.set_progress_bar_config(disable=True)
     defaults_path = Path(model) / DEFAULTS_FILE
     defaults = json.loads(defaults_path.read_text()) if defaults_path.exists() else {}
