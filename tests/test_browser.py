@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import os
 import re
 import struct
 from collections.abc import Iterator
@@ -273,8 +274,11 @@ def test_docs_render_offline_from_the_packaged_swagger_ui(tab):
     assert tab.blocked == []
 
 
-def test_a_screenshot_of_the_page_in_use_is_saved_for_the_readme(tab):
+def test_a_screenshot_of_the_page_in_use_is_saved_for_the_readme(tab, tmp_path):
+    """Into a temporary file; with TEXEL_UPDATE_SCREENSHOT=1 into the README's own, so a
+    test run leaves the working tree as it was."""
     page = tab.page
+    shot = SCREENSHOT if os.environ.get("TEXEL_UPDATE_SCREENSHOT") == "1" else tmp_path / "s.png"
     tab.open()
     page.set_input_files("#formula-file", EXAMPLE)
     answered(tab)
@@ -283,6 +287,6 @@ def test_a_screenshot_of_the_page_in_use_is_saved_for_the_readme(tab):
     page.click("#generate")
     answered(tab, "#image-status")
     page.wait_for_function("document.querySelector('img.generated')?.naturalWidth > 0")
-    page.screenshot(path=str(SCREENSHOT), full_page=True)
-    assert SCREENSHOT.stat().st_size > 10_000
-    assert "docs/screenshot.png" in (ROOT / "README.md").read_text()
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+    assert "docs/screenshot.png" in (ROOT / "README.md").read_text() and SCREENSHOT.exists()
