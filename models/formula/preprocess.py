@@ -29,24 +29,22 @@ EXIF_ORIENTATION = 0x0112
 INK_THRESHOLD = 200
 # Differences from the paper colour up to this are noise (JPEG, scanner, gradients), not ink.
 INK_MIN_CONTRAST = 32
+# Ink this far from the paper is left as it is; fainter ink is stretched to black.
+FULL_CONTRAST = 192
 # A picture needs at least this many pixels each way to hold something legible.
 MIN_SIDE = 4
 # Median stroke width, in pixels, of the im2latex images (im2markup's 200 dpi renders
 # downsampled by 2) that the default model was trained on: `stroke_width` measures it.
 IM2LATEX_STROKE_WIDTH = 1.17
-# `stroke_width` cannot tell strokes under about a pixel apart (an anti-aliased line
-# measures one pixel however thin); below this the glyphs' height decides instead.
-SUBPIXEL_STROKE = 1.1
-# `glyph_height` over `stroke_width` on the im2latex images.
-GLYPH_HEIGHT_PER_STROKE = 6.0
 # Deskew tries tilts this many degrees apart, and turns a picture only when the best one
-# levels its rows this much better than no turn (clean renders stay untouched).
+# levels its rows this much better than no turn: clean renders, which a smaller gain
+# turns now and then, stay as they are.
 SKEW_STEP = 0.5
 SKEW_HEIGHT = 48  # px: taller pictures are searched at a reduced size
-SKEW_GAIN = 1.05
-# Measured over scale ratios in this range, a picture keeps its scale: the training
-# images' own spread of stroke widths (bold, large operators, thin fonts).
-SCALE_TOLERANCE = (0.8, 1.25)
+SKEW_GAIN = 1.2
+# Strokes up to 1 / this times the training images' keep the usual scale: their own
+# spread of stroke widths (bold, large operators, thin fonts).
+SCALE_TOLERANCE = 0.8
 
 
 @dataclass(frozen=True)
@@ -208,7 +206,9 @@ def ink_on_paper(image: Image.Image) -> Image.Image | None:
         strong = distance[distance >= INK_MIN_CONTRAST]
     if strong.size < MIN_SIDE:
         return None
-    level = max(float(np.percentile(strong, 90)), 2.0 * INK_MIN_CONTRAST)
+    level = max(float(np.percentile(strong, 99)), 2.0 * INK_MIN_CONTRAST)
+    if level >= FULL_CONTRAST:  # ink the model knows as it is: left alone
+        level = 255.0
     # One lookup table maps each difference to its stretched gray.
     lut = np.clip(np.rint(255.0 - np.arange(256) * (255.0 / level)), 0, 255).astype(np.uint8)
     return Image.fromarray(lut[distance], "L")
@@ -262,45 +262,26 @@ def skew_angle(gray: Image.Image, max_degrees: float) -> float:
 
 def stroke_width(gray: Image.Image) -> float:
     """The typical stroke width of the ink, in pixels: twice its area over its outline's
-    length (total variation), both from gray levels, so anti-aliased strokes thinner than
-    a pixel still measure, and blur does not change the estimate."""
+    length (total variation), both from gray levels, so blur and anti-aliasing do not
+    change it. Strokes thinner than about a pixel all measure about a pixel."""
     darkness = 1.0 - np.asarray(gray, dtype=np.float32) / 255.0
     outline = np.abs(np.diff(darkness, axis=0)).sum() + np.abs(np.diff(darkness, axis=1)).sum()
     return float(2.0 * darkness.sum() / outline) if outline > 0 else 0.0
 
 
-def glyph_height(gray: Image.Image) -> float:
-    """The typical height of the ink's vertical strokes, in pixels: the length of the
-    vertical ink run through an ink pixel, at its 75th percentile over the ink (so
-    the stems of letters and digits, not the thickness of horizontal strokes)."""
-    ink = np.asarray(gray) < 180
-    columns = np.zeros((ink.shape[1], ink.shape[0] + 2), dtype=np.int8)
-    columns[:, 1:-1] = ink.T
-    edges = np.diff(columns.ravel())
-    runs = np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)
-    if runs.size == 0:
-        return 0.0
-    runs.sort()
-    pixels = np.cumsum(runs)
-    return float(runs[np.searchsorted(pixels, 0.75 * pixels[-1])])
-
-
 def native_upscale(gray: Image.Image, spec: FormulaImageSpec) -> float | None:
     """`spec.max_upscale` for this picture: the same cap for one drawn at the training
-    scale, proportionally less for a larger drawing (a HiDPI screenshot), more for a
-    smaller one, so that its strokes end up as thick as the model's training images'."""
+    scale, proportionally less for a larger drawing (a HiDPI screenshot), so that its
+    strokes end up as thick as the model's training images'. A smaller drawing keeps the
+    cap: its strokes, under a pixel, cannot tell how much smaller it is."""
     if spec.max_upscale is None or spec.stroke_width is None:
         return spec.max_upscale
     measured = stroke_width(gray)
     if measured <= 0:
         return spec.max_upscale
     ratio = spec.stroke_width / measured
-    if measured < SUBPIXEL_STROKE:  # finer than a pixel: only the glyphs' height tells
-        height = glyph_height(gray)
-        if height > 0:
-            ratio = max(ratio, GLYPH_HEIGHT_PER_STROKE * spec.stroke_width / height)
-    if SCALE_TOLERANCE[0] <= ratio <= SCALE_TOLERANCE[1]:
-        return spec.max_upscale  # within the training images' own variety
+    if ratio >= SCALE_TOLERANCE:
+        return spec.max_upscale  # within the training images' own variety, or finer
     return float(spec.max_upscale) * ratio
 
 
