@@ -433,6 +433,12 @@ class Batcher:
                 self._queue.restore(items)
 
     def _start_stream(self, worker: Worker, items: list[Pending]) -> Feed:
+        feed = self._new_feed(worker)
+        feed.offer(items)
+        self._streams[worker.name] = feed
+        return feed
+
+    def _new_feed(self, worker: Worker) -> Feed:
         loop = asyncio.get_running_loop()
         feed = Feed(
             lambda answered: loop.call_soon_threadsafe(self._deliver, feed, worker, answered),
@@ -443,8 +449,6 @@ class Batcher:
             on_leave=self._observer.leave,
             yield_when=lambda: getattr(self._executors[worker.name], "waiting", 0) > 0,
         )
-        feed.offer(items)
-        self._streams[worker.name] = feed
         return feed
 
     async def _execute_stream(self, worker: Worker, feed: Feed) -> None:
@@ -458,6 +462,16 @@ class Batcher:
         # Answers the worker sent are delivered before this resumes (both go through
         # call_soon_threadsafe, in order); whatever is left never got one.
         self._streams.pop(worker.name, None)
+        if feed.parked is not None and error is None and self._scheduler is not None:
+            # It gave the thread up to other work: it runs on behind that work, with the
+            # same requests, and the worker stays busy meanwhile.
+            resumed = self._new_feed(worker)
+            resumed.resume(feed)
+            self._streams[worker.name] = resumed
+            task = loop.create_task(self._execute_stream(worker, resumed))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
         untaken, left = feed.leftovers()
         if untaken and error is None and self._scheduler is not None:
             # Offered while it ended (it gave way to other work): queue again.

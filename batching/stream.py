@@ -17,7 +17,10 @@ when nothing offered is left to take, so no request is stranded between the two.
 A stream on a thread shared with other models (one compute thread on a CPU) would
 hold that thread for as long as its own requests keep coming; with `yield_when`
 (other calls wait for the thread) it takes no more requests, ends once its rows
-have, and the requests offered to it and not taken go back to the queue.
+have, and the requests offered to it and not taken go back to the queue. A stream
+whose rows take long (a denoising loop) need not wait for them to end: it can
+`park()` their state and return at a step boundary; the batcher then runs it again,
+with the same requests, behind the calls that were waiting (`Feed.resumed`).
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ class Feed:
         self._on_leave = on_leave
         self._yield_when = yield_when
         self.yielded = False  # took no more requests so that other work could run
+        self.parked: Any = None  # the worker's state, when it gave the thread up mid-way
+        self.resumed: Any = None  # the state a parked stream left, for its next run
         self._lock = threading.Lock()
         self._inbox: deque[Pending] = deque()
         self._taken: dict[int, tuple[Pending, Joined]] = {}
@@ -110,6 +115,18 @@ class Feed:
     def load(self) -> float:
         """The predicted cost of the requests it holds: the work queued on its device."""
         return max(0.0, self.offered_cost - self.delivered_cost) if self.holding else 0.0
+
+    def resume(self, parked: Feed) -> None:
+        """Take over a parked stream's requests, taken and untaken, and its state."""
+        with parked._lock, self._lock:
+            self._inbox.extend(parked._inbox)
+            self._taken.update(parked._taken)
+            parked._inbox.clear()
+            parked._taken.clear()
+            parked._closed = True
+            self.offered, self.delivered = parked.offered, parked.delivered
+            self.offered_cost, self.delivered_cost = parked.offered_cost, parked.delivered_cost
+            self.resumed = parked.parked
 
     def leftovers(self) -> tuple[list[Pending], list[Pending]]:
         """Once the stream has ended: the requests offered and never taken (to queue
@@ -167,6 +184,15 @@ class Feed:
                 self._on_leave(joined.handle)
         if answered:
             self._deliver(answered)
+
+    def should_give_way(self) -> bool:
+        """Whether other work waits for this stream's thread."""
+        return self._yield_when()
+
+    def park(self, state: Any) -> None:
+        """Give the thread up with requests still running: the worker returns right
+        after, and its next run finds `state` in `resumed`."""
+        self.parked = state
 
     def finish(self) -> bool:
         """End the stream if nothing is left to take (True); else False, take more."""

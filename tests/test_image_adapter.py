@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from batching import Batcher, BatchPolicy, Cancelled, Worker
+from batching import Batcher, BatchPolicy, Cancelled, ComputeThread, Worker
 from engine import protocol
 from models.image.adapter import GeneratedImages, ImageGenerator, ImageRequest
 
@@ -290,3 +290,31 @@ async def test_a_request_whose_client_went_away_leaves_the_loop_and_the_others_g
         await batcher.close()
     assert len(result.value.step_s) == 10
     assert np.array_equal(result.value.images[0], _pixels(runner([kept], lambda: False))[0])
+
+
+async def test_on_a_shared_thread_a_long_denoising_loop_gives_way_to_other_work(stepped):
+    """One compute thread for two models (a CPU): another model's batch sent while a long
+    image runs is answered before that image ends, and the image comes out as it would
+    alone."""
+    thread = ComputeThread(thread_name_prefix="texel-test-shared")
+    runner = stepped.runner(torch.device("cpu"))
+    policy = BatchPolicy(max_batch_size=4, max_wait_s=0.0, max_queue=8)
+    images = Batcher("image", [Worker("cpu", runner.run, thread, stream=runner.stream)], policy)
+    doubled = Batcher("double", [Worker("cpu", lambda xs, stop: [2 * x for x in xs], thread)],
+                      policy)  # fmt: skip
+    images.start()
+    doubled.start()
+    try:
+        (long,) = _jobs(stepped, ImageRequest("a red circle", seed=3, num_inference_steps=100))
+        image = asyncio.ensure_future(images.submit(long, bucket=0, cost=1, timeout_s=120))
+        await asyncio.sleep(0.5)
+        other = await asyncio.wait_for(doubled.submit(21, bucket=0, cost=1, timeout_s=60), 20)
+        assert other.value == 42
+        assert not image.done(), "the other model's batch waited for the whole image"
+        result = await asyncio.wait_for(image, 120)
+    finally:
+        await images.close()
+        await doubled.close()
+        thread.shutdown()
+    assert len(result.value.step_s) == 100
+    assert np.array_equal(result.value.images[0], _pixels(runner([long], lambda: False))[0])

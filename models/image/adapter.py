@@ -49,6 +49,9 @@ from telemetry import metrics
 log = logging.getLogger(__name__)
 
 DEFAULTS_FILE = "texel.json"  # optional {"num_inference_steps", "guidance_scale"}
+# On a compute thread shared with other models (a CPU), a denoising loop runs at least
+# this long before it gives the thread up at a step boundary to work that waits for it.
+GIVE_WAY_AFTER_S = 0.2
 
 
 def compile_unet(unet, mode: str):
@@ -423,13 +426,23 @@ class ImageGenerator(Model):
     def _stream(self, device: str, feed) -> None:
         """Continuous batching on `device`: at every step boundary requests join while
         the budget allows (always one, into an empty loop), finished requests are decoded
-        and answered, and requests whose clients went away are dropped."""
+        and answered, and requests whose clients went away are dropped. On a thread that
+        other models share, it parks its requests and gives the thread up to their work
+        every `GIVE_WAY_AFTER_S`, and goes on after it (`batching.stream`)."""
         loop = self._loops[device]
         budget = self._capacity.get(device, 1)
         waiting: deque[tuple[int, ImageJob]] = deque()  # taken, not yet joined
         running: dict[int, Denoising] = {}
+        if feed.resumed is not None:  # it gave the thread up to other work and goes on
+            running, waiting = feed.resumed
+        slice_started = time.perf_counter()
         with torch.inference_mode():
             while True:
+                held_s = time.perf_counter() - slice_started
+                # Another model's work waits for this thread: it runs next, then this.
+                if running and held_s > GIVE_WAY_AFTER_S and feed.should_give_way():
+                    feed.park((running, waiting))
+                    return
                 waiting.extend(feed.take(budget))
                 gone = set(feed.cancelled([*running, *(key for key, _ in waiting)]))
                 if gone:
