@@ -6,12 +6,14 @@ import asyncio
 import base64
 import contextlib
 import copy
+import json
 import logging
 import time
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from app import openai_api
 from app.errors import ApiError, error_response, openai_type, to_api_error
@@ -164,7 +166,12 @@ async def _handle(request: Request, route: str, key: str, flow) -> Response:
             model = await runtime.ready_model(key)
             trace = RequestTrace(model.name, model.operation)
             response = await flow(runtime, model.name, trace)
-            observed.finish(response.status_code, trace.trace_id)
+            if isinstance(response, StreamingResponse):  # it ends with its events
+                response.background = BackgroundTask(
+                    observed.finish, response.status_code, trace.trace_id
+                )
+            else:
+                observed.finish(response.status_code, trace.trace_id)
             return response
         except Exception as exc:
             error = to_api_error(exc)
@@ -179,6 +186,20 @@ async def _handle(request: Request, route: str, key: str, flow) -> Response:
                     log.error("%s failed", route, exc_info=exc)
             observed.finish(error.status, trace.trace_id if trace else None)
             return error_response(error, request.url.path)
+
+
+def _generate_response(
+    images: EncodedImages, result: BatchResult, model: str, trace: RequestTrace
+) -> GenerateResponse:
+    return GenerateResponse(
+        images=[
+            GeneratedImage(png_base64=base64.b64encode(p).decode("ascii"), seed=s)
+            for p, s in zip(images.pngs, images.seeds, strict=True)
+        ],
+        model=model,
+        batch_size=result.batch_size,
+        timings_ms=trace.timings_ms,
+    )
 
 
 async def _generated(
@@ -295,14 +316,20 @@ async def _cache_key(runtime: Runtime, cache: RecognitionCache, data: bytes, mod
     },
 )
 async def generate(request: Request) -> Response:
-    """A text prompt in, images out. The same seed and parameters give the same image."""
+    """A text prompt in, images out. The same seed and parameters give the same image.
+
+    With `Accept: text/event-stream`, server-sent events: `progress` while it waits and
+    at every denoising step, then `image` (the JSON answer) or `error`."""
 
     async def flow(runtime: Runtime, model: str, trace: RequestTrace) -> Response:
         with trace.stage("http.parse"):
             body = await read_json(request, GenerateRequest)
-            wants_png = "image/png" in request.headers.get("accept", "")
+            accept = request.headers.get("accept", "")
+            wants_png = "image/png" in accept
             if wants_png and body.num_images != 1:
                 raise ApiError(422, "invalid_parameter", "Accept: image/png needs num_images = 1")
+        if "text/event-stream" in accept:
+            return await _progress_events(request, runtime, body, model, trace)
         images, result = await _generated(request, runtime, body, trace)
         pngs, seeds = images.pngs, images.seeds
         if wants_png:
@@ -314,18 +341,53 @@ async def generate(request: Request) -> Response:
                     "X-Texel-Batch-Size": str(result.batch_size),
                 },
             )
-        out = GenerateResponse(
-            images=[
-                GeneratedImage(png_base64=base64.b64encode(p).decode("ascii"), seed=s)
-                for p, s in zip(pngs, seeds, strict=True)
-            ],
-            model=model,
-            batch_size=result.batch_size,
-            timings_ms=trace.timings_ms,
-        )
-        return JSONResponse(out.model_dump())
+        return JSONResponse(_generate_response(images, result, model, trace).model_dump())
 
     return await _handle(request, "/generate", "image", flow)
+
+
+def _event(name: str, data: dict) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+async def _progress_events(
+    request: Request, runtime: Runtime, body: GenerateRequest, model: str, trace: RequestTrace
+) -> StreamingResponse:
+    """/generate as server-sent events. The request stages run first, so a request they
+    refuse gets its error status as ever; once the stream has started, an error is an
+    `error` event with the same body. A client that goes away ends the stream, and its
+    work stops at the next step."""
+    from models.image.adapter import ImageRequest
+
+    arrived = time.monotonic()
+    job = await runtime.prepare("image", ImageRequest(**body.model_dump()), trace)
+    events: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    def progress(steps: int, ahead: int | None) -> None:
+        data = {"step": steps, "total": job.steps}
+        if ahead is not None:
+            data["queue_position"] = ahead
+        events.put_nowait(_event("progress", data))
+
+    async def stream():
+        work = asyncio.ensure_future(runtime.complete("image", job, trace, arrived, progress))
+        work.add_done_callback(lambda _: events.put_nowait(None))
+        try:
+            while (event := await events.get()) is not None:
+                yield event
+            try:
+                images, result = work.result()
+            except Exception as exc:
+                error = to_api_error(exc)
+                yield _event("error", json.loads(error_response(error, request.url.path).body))
+                return
+            yield _event("image", _generate_response(images, result, model, trace).model_dump())
+        finally:
+            work.cancel()
+
+    return StreamingResponse(
+        stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
 
 
 # -- OpenAI-compatible routes (app/openai_api.py translates) -----------------------------

@@ -13,6 +13,7 @@ import asyncio
 import gc
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -207,8 +208,25 @@ class Runtime:
         """Run one request of model `key` through its stages and an engine; the model's
         result and the facts of the batch it ran in."""
         arrived = time.monotonic()
+        value = await self.prepare(key, request, trace)
+        return await self.complete(key, value, trace, arrived)
+
+    async def prepare(self, key: str, request: Any, trace: RequestTrace) -> Any:
+        """A request of model `key` through its request stages: the engine's payload."""
         model = self.model(key)
-        value = await self._stages(model, model.request_stages(), request, trace)
+        return await self._stages(model, model.request_stages(), request, trace)
+
+    async def complete(
+        self,
+        key: str,
+        value: Any,
+        trace: RequestTrace,
+        arrived: float,
+        on_progress: Callable[[int, int | None], None] | None = None,
+    ) -> tuple[Any, BatchResult]:
+        """A prepared payload through an engine and the response stages, due
+        `REQUEST_TIMEOUT_S` after `arrived` (`time.monotonic()`)."""
+        model = self.model(key)
         engine = self._pick(key)
         remaining = self.settings.request_timeout_s - (time.monotonic() - arrived)
         if remaining <= 0:
@@ -218,7 +236,7 @@ class Runtime:
         self._load[engine.name] += cost
         self._inflight += 1
         try:
-            result = await engine.submit(model, value, remaining, trace.span_context)
+            result = await engine.submit(model, value, remaining, trace.span_context, on_progress)
         finally:
             self._load[engine.name] -= cost
             self._inflight -= 1

@@ -264,12 +264,15 @@ class Batcher:
         timeout_s: float,
         cost: float = 1.0,
         context: Any = None,
+        on_progress: Callable[[int, int | None], None] | None = None,
     ) -> BatchResult:
         """Queue one request and wait for its result.
 
         Raises `QueueFull`, `Draining`, `DeadlineExceeded` or `BatchFailed`;
         cancelling the awaiting task removes the request (or, once it runs, asks
-        the batch to stop when all its members are gone).
+        the batch to stop when all its members are gone). `on_progress(steps done,
+        requests ahead in the queue)` is called on the event loop: once queued (0 steps),
+        then at every step a stream reports (`Feed.progress`).
         """
         if self._draining:
             self._observer.rejected(self.name, "draining")
@@ -283,13 +286,19 @@ class Batcher:
             deadline=now + timeout_s,
             context=context,
         )
-        item.future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        item.future = loop.create_future()
+        if on_progress is not None:
+            item.progress = lambda steps: loop.call_soon_threadsafe(on_progress, steps, None)
         retry_after = self._drain_rate.retry_after(now, len(self._queue) + 1)
+        ahead = len(self._queue)
         try:
             self._queue.push(item, retry_after_s=retry_after)
         except Exception:
             self._observer.rejected(self.name, "queue_full")
             raise
+        if on_progress is not None:
+            on_progress(0, ahead)
         self._observer.queue_depth(self.name, len(self._queue))
         self._wake()
         try:

@@ -71,6 +71,8 @@ class Pending:
     cancelled: bool = False
     # Set by the Batcher; the queue itself never looks at it.
     future: Any = field(default=None, repr=False)
+    # Called from any thread with the number of steps done, for callers that follow them.
+    progress: Any = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)

@@ -164,6 +164,12 @@ class Feed:
                 self._taken[key] = (item, joined)
         return [(key, item.payload) for key, item in keyed]
 
+    def progress(self, key: int, steps: int) -> None:
+        """A taken request has done `steps` steps (for callers that follow them)."""
+        entry = self._taken.get(key)
+        if entry is not None and entry[0].progress is not None:
+            entry[0].progress(steps)
+
     def cancelled(self, keys: list[int]) -> list[int]:
         """Which of these taken requests' clients have gone away."""
         with self._lock:

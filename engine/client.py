@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -45,10 +46,16 @@ class EngineClient(ABC):
 
     @abstractmethod
     async def submit(
-        self, model: Model, payload: Any, timeout_s: float, context: SpanContext | None
+        self,
+        model: Model,
+        payload: Any,
+        timeout_s: float,
+        context: SpanContext | None,
+        on_progress: Callable[[int, int | None], None] | None = None,
     ) -> BatchResult:
         """Run `payload` of `model` in the engine's batches; raises the batcher's errors,
-        `NotReady`, `UnknownModel` or `EngineUnavailable`."""
+        `NotReady`, `UnknownModel` or `EngineUnavailable`. `on_progress(steps done,
+        requests ahead in the queue)` follows the request, where its model reports steps."""
 
     @abstractmethod
     async def states(self) -> tuple[bool, dict[str, ModelState]]:
@@ -75,8 +82,8 @@ class LocalEngine(EngineClient):
     def connected(self) -> bool:
         return True
 
-    async def submit(self, model, payload, timeout_s, context) -> BatchResult:
-        return await self.engine.submit(model.key, payload, timeout_s, context)
+    async def submit(self, model, payload, timeout_s, context, on_progress=None) -> BatchResult:
+        return await self.engine.submit(model.key, payload, timeout_s, context, on_progress)
 
     async def states(self) -> tuple[bool, dict[str, ModelState]]:
         return self.engine.draining, self.engine.states()
@@ -96,6 +103,7 @@ class RemoteEngine(EngineClient):
         self.name = name
         self._ids = itertools.count()
         self._waiting: dict[int, asyncio.Future] = {}
+        self._progress: dict[int, Callable[[int, int | None], None]] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._pending: list[bytes] = []
         self._task: asyncio.Task | None = None
@@ -140,6 +148,10 @@ class RemoteEngine(EngineClient):
 
     def _receive(self, body: bytes) -> None:
         message = self._messages.decode(body)
+        if isinstance(message, protocol.Progress):
+            if (follow := self._progress.get(message.id)) is not None:
+                follow(message.steps, message.ahead)
+            return
         future = self._waiting.get(message.id)
         if future is not None and not future.done():
             future.set_result(message)
@@ -171,7 +183,7 @@ class RemoteEngine(EngineClient):
         finally:
             self._waiting.pop(message.id, None)
 
-    async def submit(self, model, payload, timeout_s, context) -> BatchResult:
+    async def submit(self, model, payload, timeout_s, context, on_progress=None) -> BatchResult:
         request_id = next(self._ids)
         submit = protocol.Submit(
             request_id,
@@ -179,7 +191,10 @@ class RemoteEngine(EngineClient):
             msgspec.Raw(protocol.encode(payload)),
             timeout_s,
             protocol.TraceRef.of(context),
+            progress=on_progress is not None,
         )
+        if on_progress is not None:
+            self._progress[request_id] = on_progress
         try:
             reply = await self._call(submit)
         except asyncio.CancelledError:
@@ -187,6 +202,8 @@ class RemoteEngine(EngineClient):
                 with contextlib.suppress(EngineUnavailable):
                     self._send(protocol.Cancel(request_id))
             raise
+        finally:
+            self._progress.pop(request_id, None)
         if isinstance(reply, protocol.Refusal):
             raise protocol.refusal_error(reply)
         return BatchResult(

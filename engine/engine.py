@@ -173,9 +173,15 @@ class Engine:
         return 0 if batcher is None else batcher.depth
 
     async def submit(
-        self, key: str, payload: Any, timeout_s: float, context: Any = None
+        self,
+        key: str,
+        payload: Any,
+        timeout_s: float,
+        context: Any = None,
+        on_progress: Callable[[int, int | None], None] | None = None,
     ) -> BatchResult:
-        """Batch one preprocessed payload of model `key`, due within `timeout_s`."""
+        """Batch one preprocessed payload of model `key`, due within `timeout_s`;
+        `on_progress(steps done, requests ahead)` follows it (`Batcher.submit`)."""
         served = self._get(key)
         if self.draining:
             raise Draining("the server is shutting down and accepts no new requests")
@@ -188,6 +194,7 @@ class Engine:
             cost=model.cost(payload),
             timeout_s=timeout_s,
             context=context,
+            on_progress=on_progress,
         )
 
     def _get(self, key: str) -> _Served:

@@ -88,7 +88,15 @@ class EngineServer:
             model = self.engine.model(message.model)
             payload = self._decoder(message.model, model.payload_type).decode(message.payload)
             context = message.trace.context() if message.trace is not None else None
-            result = await self.engine.submit(message.model, payload, message.timeout_s, context)
+            follow = None
+            if message.progress:
+
+                def follow(steps: int, ahead: int | None, request_id=message.id) -> None:
+                    send(protocol.Progress(request_id, steps, ahead))
+
+            result = await self.engine.submit(
+                message.model, payload, message.timeout_s, context, follow
+            )
             answer = protocol.Answer(
                 message.id,
                 msgspec.Raw(protocol.encode(result.value)),

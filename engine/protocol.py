@@ -56,6 +56,7 @@ class Submit(msgspec.Struct, tag="submit"):
     payload: msgspec.Raw
     timeout_s: float
     trace: TraceRef | None = None
+    progress: bool = False  # send `Progress` while it waits and runs
 
 
 class Cancel(msgspec.Struct, tag="cancel"):
@@ -77,6 +78,14 @@ class Answer(msgspec.Struct, tag="answer"):
     run_s: float
     worker: str
     batch: TraceRef | None = None
+
+
+class Progress(msgspec.Struct, tag="progress"):
+    """A request has done `steps` steps; `ahead`: requests before it in the queue."""
+
+    id: int
+    steps: int
+    ahead: int | None = None
 
 
 class Refusal(msgspec.Struct, tag="refusal"):
@@ -101,7 +110,7 @@ class States(msgspec.Struct, tag="states"):
 
 
 ToEngine = Submit | Cancel | Status
-FromEngine = Answer | Refusal | States
+FromEngine = Answer | Refusal | States | Progress
 
 
 # -- encoding --------------------------------------------------------------------------

@@ -471,6 +471,8 @@ class ImageGenerator(Model):
                         with out_of_memory_as_batching_error():
                             if stepping := [r for r in group if not r.done]:
                                 loop.step(stepping)
+                                for request in stepping:
+                                    feed.progress(keys[id(request)], request.index)
                             finished = [r for r in group if r.done]
                             images = loop.decode(finished) if finished else []
                     except OutOfMemory as exc:
