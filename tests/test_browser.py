@@ -183,17 +183,25 @@ def test_a_generated_image_is_shown_decoded_with_a_download_link(tab):
     assert list(struct.unpack(">II", png[16:24])) == shown  # the PNG's IHDR: its size
 
 
-def test_an_indeterminate_progress_indicator_shows_while_an_image_is_generated(tab):
+def test_the_progress_bar_follows_the_denoising_steps_of_the_image(tab):
     from playwright.sync_api import expect
 
     page = tab.page
     tab.open()
     progress = page.locator("#image-progress")
     assert progress.is_hidden()
+    page.fill("#steps", "40")
     page.click("#generate")
     expect(progress).to_be_visible()
-    assert page.get_attribute("#image-progress-bar", "value") is None  # indeterminate
+    # The bar takes the step count from the streamed progress events.
+    page.wait_for_function(
+        "document.querySelector('#image-progress-bar').max === 40"
+        " && document.querySelector('#image-progress-bar').value > 0",
+        timeout=60_000,
+    )
+    expect(page.locator("#image-progress-text")).to_contain_text("of 40")
     expect(progress).to_be_hidden(timeout=60_000)
+    expect(page.locator("img.generated")).to_be_visible()
 
 
 def test_an_unsupported_file_shows_the_error(tab):

@@ -115,9 +115,12 @@ function clearError(box) {
 }
 
 // POST to the API; the answer's JSON on success, null once an error is shown in `box`.
-// `again` runs the same action after a 401 once the user saves a key.
-async function post(path, init, box, again) {
-  const headers = { Accept: "application/json", ...(init.headers || {}) };
+// `again` runs the same action after a 401 once the user saves a key. With `onProgress`,
+// the answer comes as server-sent events: each `progress` event goes to it, and the
+// `image` event is the answer.
+async function post(path, init, box, again, onProgress) {
+  const accept = onProgress ? "text/event-stream" : "application/json";
+  const headers = { Accept: accept, ...(init.headers || {}) };
   const key = currentKey();
   if (key) headers.Authorization = `Bearer ${key}`;
   let response;
@@ -127,6 +130,10 @@ async function post(path, init, box, again) {
     showError(box, "Could not reach the server.", String(error));
     return null;
   }
+  const type = response.headers.get("Content-Type") || "";
+  if (response.ok && onProgress && type.startsWith("text/event-stream")) {
+    return readEvents(response, box, onProgress);
+  }
   const text = await response.text();
   let body = null;
   try {
@@ -135,17 +142,54 @@ async function post(path, init, box, again) {
     // a plain-text answer (the HTTP server's own 503 when it holds too many connections)
   }
   if (response.ok && body) return body;
-  const error = (body && body.error) || {};
-  const code = error.code || "";
-  let summary = BY_CODE[code] || BY_STATUS[response.status] || `The server answered ${response.status}.`;
-  const wait = retryAfterSeconds(response.headers.get("Retry-After"));
-  if (wait !== null) summary += ` Try again in ${wait} s.`;
-  const detail = `${response.status} ${code || response.statusText}: ${error.message || text.slice(0, 300)}`;
-  showError(box, summary, detail);
+  showApiError(box, response.status, response.statusText, body, text, response.headers);
   if (response.status === 401) {
     stoppedByKey = again;
     showKeySection(true);
   }
+  return null;
+}
+
+function showApiError(box, status, statusText, body, text, headers) {
+  const error = (body && body.error) || {};
+  const code = error.code || "";
+  let summary = BY_CODE[code] || BY_STATUS[status] || `The server answered ${status}.`;
+  const wait = retryAfterSeconds(headers ? headers.get("Retry-After") : null);
+  if (wait !== null) summary += ` Try again in ${wait} s.`;
+  const detail = `${status} ${code || statusText}: ${error.message || text.slice(0, 300)}`;
+  showError(box, summary, detail);
+}
+
+// The events of a text/event-stream answer: progress to `onProgress`, then the answer of
+// its `image` event, or null once its `error` event is shown in `box`.
+async function readEvents(response, box, onProgress) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      let name = "message";
+      let data = "";
+      for (const line of block.split("\n")) {
+        if (line.startsWith("event: ")) name = line.slice(7);
+        else if (line.startsWith("data: ")) data += line.slice(6);
+      }
+      const payload = JSON.parse(data);
+      if (name === "progress") onProgress(payload);
+      else if (name === "image") return payload;
+      else if (name === "error") {
+        showApiError(box, 200, "error event", payload, data, null);
+        return null;
+      }
+    }
+  }
+  showError(box, "The server ended the answer early.", "no image event");
   return null;
 }
 
@@ -338,8 +382,9 @@ function showImages(answer, took) {
 async function generate() {
   clearError($("image-error"));
   $("image-status").textContent = "";
-  // PROGRESS: indeterminate until /generate streams `progress` events (step, total);
-  // then set $("image-progress-bar").max = total and .value = step from each one.
+  const bar = $("image-progress-bar");
+  bar.removeAttribute("value"); // indeterminate until the first step is done
+  $("image-progress-text").textContent = "Waiting for the GPU…";
   $("image-progress").hidden = false;
   $("generate").disabled = true;
   const started = performance.now();
@@ -349,7 +394,17 @@ async function generate() {
       { method: "POST", headers: { "Content-Type": "application/json" },
         body: JSON.stringify(generateBody()) },
       $("image-error"),
-      generate
+      generate,
+      (progress) => {
+        if (progress.step > 0) {
+          bar.max = progress.total;
+          bar.value = progress.step;
+          $("image-progress-text").textContent = `Step ${progress.step} of ${progress.total}`;
+        } else if (progress.queue_position) {
+          $("image-progress-text").textContent =
+            `Queued behind ${progress.queue_position} request(s)…`;
+        }
+      }
     );
     if (answer) showImages(answer, performance.now() - started);
   } finally {
