@@ -73,6 +73,8 @@ def model_plans(settings: Settings, devices: list[torch.device]) -> list[ModelPl
             max_batch_size=entry.max_batch_size,
             max_wait_s=entry.max_wait_ms / 1000,
             max_queue=entry.max_queue,
+            # Past twice the longest a request may take, its work only serves nobody.
+            stall_s=2 * settings.request_timeout_s,
         )
         for key, entry in settings.models().items()
     ]

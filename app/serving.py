@@ -140,13 +140,17 @@ class Runtime:
 
     def model_state(self, key: str) -> tuple[str, str | None]:
         """(state, error) of model `key` over the engines: failed if any failed to load
-        it, ready if every engine has it ready, else loading (or unavailable)."""
+        it, stalled if any's device work shows no progress, ready if every engine has it
+        ready, else loading (or unavailable)."""
         if key in self._opening:
             return "failed", self._opening[key]
         states = list(self.states.get(key, {}).values())
         for state in states:
             if state.state == "failed":
                 return "failed", state.error
+        for state in states:
+            if state.state == "stalled":
+                return "stalled", state.error
         if states and all(state.state == "ready" for state in states):
             return "ready", None
         if any(state.state == "unavailable" for state in states):
@@ -192,6 +196,9 @@ class Runtime:
             raise ApiError(503, "model_failed", f"the {key} model failed to load: {error}")
         if state == "unavailable":
             raise ApiError(503, "unavailable", "the engine is restarting", {"Retry-After": "1"})
+        if state == "stalled":
+            message = f"the {key} model is stalled: {error}"
+            raise ApiError(503, "stalled", message, {"Retry-After": "5"})
         if state != "ready":
             raise not_ready()
         return model

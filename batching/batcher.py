@@ -194,6 +194,7 @@ class Batcher:
         self._tasks: set[asyncio.Task] = set()
         self._inflight = 0  # batches (and streams) handed to a worker and not yet resolved
         self._streams: dict[str, Feed] = {}  # running streams, by worker
+        self._batch_started: dict[str, float] = {}  # running whole batches, by worker
         self._wakeup = asyncio.Event()
         self._idle_event = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
@@ -539,12 +540,28 @@ class Batcher:
         self._drain_rate.record(self._clock(), len(answered))
         self._wake()
 
+    def stalled_s(self) -> float:
+        """How long the longest-running worker has gone without a sign of life: a whole
+        batch since it started, a stream since it last checked for requests; 0 if idle."""
+        now = self._clock()
+        times = [*self._batch_started.values(), *(f.alive_at for f in self._streams.values())]
+        return max((now - t for t in times), default=0.0)
+
     def _run_plan(self, worker: Worker, bucket: Hashable, items: list[Pending]) -> list[_Outcome]:
         """Run a batch on the worker thread; split it in halves on out-of-memory."""
         live = [item for item in items if not item.cancelled]
         if not live:
             return [self._failure(Cancelled("the client went away"), 0) for _ in items]
         started = self._clock()
+        self._batch_started[worker.name] = started
+        try:
+            return self._run_live(worker, bucket, items, live, started)
+        finally:
+            self._batch_started.pop(worker.name, None)
+
+    def _run_live(
+        self, worker: Worker, bucket: Hashable, items: list[Pending], live: list[Pending], started
+    ) -> list[_Outcome]:
         try:
             with self._observer.batch(self.name, worker.name, bucket, live) as ref:
                 values = worker.run([item.payload for item in live], lambda: _all_cancelled(live))

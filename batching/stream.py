@@ -83,6 +83,7 @@ class Feed:
         self._on_leave = on_leave
         self._yield_when = yield_when
         self.yielded = False  # took no more requests so that other work could run
+        self.alive_at = clock()  # the worker's last sign of life (a check for requests)
         self.parked: Any = None  # the worker's state, when it gave the thread up mid-way
         self.resumed: Any = None  # the state a parked stream left, for its next run
         self._lock = threading.Lock()
@@ -146,6 +147,7 @@ class Feed:
 
     def take(self, limit: int) -> list[tuple[int, Any]]:
         """Up to `limit` new requests as (key, payload), oldest first; never blocks."""
+        self.alive_at = self._clock()
         # The first take always goes ahead, so a stream serves its first requests even
         # when it gives way at once.
         if self.offered > len(self._inbox) and not self.yielded and self._yield_when():

@@ -44,6 +44,9 @@ class ModelPlan:
     max_batch_size: int
     max_wait_s: float
     max_queue: int
+    # A device call (a batch, or a stream's step) that runs longer than this has stalled:
+    # the model reports "stalled" and the server not ready until it comes back.
+    stall_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,18 @@ class Engine:
     # -- requests --------------------------------------------------------------
 
     def states(self) -> dict[str, ModelState]:
-        return {key: served.state for key, served in self._served.items()}
+        """Each model's state; a ready one whose device work has shown no sign of life
+        for longer than its plan's `stall_s` is "stalled"."""
+        states = {}
+        for key, served in self._served.items():
+            state = served.state
+            if state.state == "ready" and served.batcher is not None:
+                stalled_s = served.batcher.stalled_s()
+                if stalled_s > served.plan.stall_s:
+                    why = f"its work on {self.name} has shown no progress for {stalled_s:.0f} s"
+                    state = ModelState("stalled", why, state.description)
+            states[key] = state
+        return states
 
     def model(self, key: str) -> Model:
         """The loaded model `key` (its payload and output types, for the protocol)."""

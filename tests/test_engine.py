@@ -171,6 +171,22 @@ async def test_an_engine_refuses_what_it_cannot_serve() -> None:
     await engine.close()
 
 
+async def test_a_model_whose_batch_shows_no_progress_is_reported_stalled_until_it_returns():
+    model = Doubler()
+    model.release.clear()  # its batch hangs until released
+    engine = await ready_engine(model, stall_s=0.2, max_wait_s=0.0)
+    try:
+        answer = asyncio.ensure_future(engine.submit("double", 4, timeout_s=10))
+        await until(lambda: engine.states()["double"].state == "stalled")
+        assert "no progress" in engine.states()["double"].error
+        model.release.set()
+        assert (await answer).value == 8
+        assert engine.states()["double"].state == "ready"
+    finally:
+        model.release.set()
+        await engine.close()
+
+
 async def test_a_model_that_fails_to_load_is_reported_failed() -> None:
     def broken() -> Model:
         raise OSError("no weights at /nowhere")
