@@ -26,7 +26,6 @@ from engine import BatchResult, DeadlineExceeded, EngineClient, EngineUnavailabl
 from models.base import Model
 from telemetry import RequestTrace, metrics
 from telemetry.bottleneck import BottleneckSampler, watch_event_loop, watch_garbage_collector
-from telemetry.resources import usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ class Runtime:
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(watch_event_loop()))
         watch_garbage_collector()
-        threads = self.settings.advanced.preprocess_threads or usable_cores()
+        threads = self.settings.advanced.preprocess_threads
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="texel-http")
         self.states = {key: {} for key in self.models}
         for key, model in self.models.items():

@@ -183,7 +183,11 @@ class AdvancedSettings(BaseModel):
         "it above the connections the proxies in front keep open to each process.",
     )
     preprocess_threads: int = Field(
-        0, ge=0, description="Threads per HTTP process that decode and encode; 0: one per core."
+        2,
+        ge=1,
+        description="Threads per HTTP process that decode and encode; more processes "
+        "(TEXEL_HTTP_PROCESSES), not more threads, use more cores, since the threads of "
+        "one process share its interpreter lock.",
     )
     gc_freeze: bool = Field(
         True,
@@ -225,7 +229,7 @@ class Settings(BaseSettings):
         ge=1,
         le=64,
         description="Identical processes answering HTTP on the port; unset: 1 on a CPU, "
-        "min(4, cores / 4) with GPUs.",
+        "min(8, cores / 2) with GPUs.",
     )
     formula: FormulaSettings = Field(default_factory=FormulaSettings)
     image: ImageSettings = Field(default_factory=ImageSettings)
