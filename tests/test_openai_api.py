@@ -179,6 +179,7 @@ def test_the_image_model_states_its_defaults_and_limits(client):
     assert limits["default_size"] == "32x32"
     assert (limits["max_side"], limits["max_steps"], limits["max_images"]) == (1024, 100, 4)
     assert limits["size_multiple"] == 8 and limits["default_steps"] >= 1
+    assert isinstance(limits["max_prompt_tokens"], int) and limits["max_prompt_tokens"] > 2
 
 
 def test_retrieving_a_model_not_served_is_404_in_openai_shape(client):

@@ -205,10 +205,13 @@ class ImageGenerator(Model):
         self.defaults = self._read_defaults(pipe)
 
     def describe(self) -> dict:
+        limit = getattr(self._prompt_tokenizer, "model_max_length", None)
         return {
             "defaults": dataclasses.asdict(self._defaults),
             "size_multiple": self.size_multiple,
             "speed": None if self.speed is None else dataclasses.asdict(self.speed),
+            # What the text encoder reads; longer prompts are refused (`tokenize`).
+            "max_prompt_tokens": limit if limit and limit < 1_000_000 else None,
         }
 
     def attach(self, description: dict) -> None:
