@@ -148,6 +148,9 @@ def start_restartable(tiny_env: dict[str, str]) -> Restartable:
     server = start(
         tiny_env,
         TEXEL_IMAGE__MAX_WAIT_MS="3000",
+        # Whole batches, so that the wait holds images in the queue (a denoising loop
+        # would take them at once).
+        TEXEL_IMAGE__ADVANCED__CONTINUOUS="false",
         TEXEL_SHUTDOWN_GRACE_S=str(GRACE_S),
         TEXEL_DRAIN_TIMEOUT_S=str(DRAIN_S),
     )

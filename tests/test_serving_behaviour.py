@@ -75,9 +75,9 @@ def test_an_admitted_request_that_runs_past_its_deadline_gets_504(start_server):
             )
 
     started = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        responses = list(pool.map(post, range(2)))
-    # One runs while the other waits for the device; the one that waits runs past 2 s.
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(post, range(4)))
+    # One image at a time: the last of four waits for the others and runs past 2 s.
     codes = [r.status_code for r in responses]
     assert 504 in codes, codes
     late = next(r for r in responses if r.status_code == 504)
