@@ -3,6 +3,7 @@ export to. The tests own this harness; the benchmarks reuse it through `bench.se
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -142,3 +144,28 @@ def otlp_sink(on_request=None) -> str:
     server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return f"http://127.0.0.1:{server.server_address[1]}"
+
+
+@contextlib.contextmanager
+def serving_in_thread(app, ready_timeout: float = 120) -> Iterator[str]:
+    """An ASGI app (the one-process app: its engine inside) on a free port, served by
+    uvicorn in a thread of this process, so a test can reach into it (its spans); its URL
+    once /readyz answers 200."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/readyz").status_code == 200:
+                break
+        time.sleep(0.1)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(30)

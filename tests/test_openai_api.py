@@ -4,20 +4,17 @@ servers with tiny models."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from PIL import Image
 
 from app.launcher import single_process_app
 from app.settings import Settings
-from tests.conftest import free_port
+from tests.server import serving_in_thread
 
 PROMPT = "a red circle on a blue background"
 
@@ -191,26 +188,9 @@ def test_retrieving_a_model_not_served_is_404_in_openai_shape(client):
 # -- API keys -----------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
 def in_process(settings: Settings):
-    """The one-process app on a socket, served by uvicorn in a thread: its URL."""
-    app = single_process_app(settings)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/readyz").status_code == 200:
-                break
-        time.sleep(0.1)
-    try:
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    """The one-process app of `settings` on a socket: its URL."""
+    return serving_in_thread(single_process_app(settings))
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,8 @@ image bytes from it without reaching the batcher."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import time
-
 import httpx
 import pytest
-import uvicorn
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -17,7 +12,8 @@ from app.launcher import single_process_app
 from app.recognition_cache import RecognitionCache
 from app.settings import Settings
 from telemetry import add_span_processor
-from tests.conftest import formula_png, free_port
+from tests.conftest import formula_png
+from tests.server import serving_in_thread
 
 # -- the LRU -----------------------------------------------------------------------------
 
@@ -130,26 +126,9 @@ def test_a_failed_recognition_is_not_cached(server):
 SMALL_CACHE_MB = 1200 / 2**20
 
 
-@contextlib.contextmanager
 def in_process(settings: Settings):
-    """The one-process app on a socket, served by uvicorn in a thread: its URL."""
-    app = single_process_app(settings)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/readyz").status_code == 200:
-                break
-        time.sleep(0.1)
-    try:
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    """The one-process app of `settings` on a socket: its URL."""
+    return serving_in_thread(single_process_app(settings))
 
 
 @pytest.fixture(scope="module")

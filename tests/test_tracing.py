@@ -7,19 +7,18 @@ background thread so the SDK's in-memory exporter sees every span it makes.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from app.launcher import single_process_app
 from app.settings import Settings
 from telemetry import add_span_processor
-from tests.conftest import formula_png, free_port
+from tests.conftest import formula_png
+from tests.server import serving_in_thread
 
 STAGES = ["http.parse", "preprocess", "queue.wait", "generate", "tokenize", "postprocess"]
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -43,22 +42,8 @@ def traced_server(tiny_models):
     )
     app = single_process_app(settings)
     add_span_processor(SimpleSpanProcessor(exporter))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/readyz").status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    yield url, exporter
-    server.should_exit = True
-    thread.join(30)
+    with serving_in_thread(app) as url:
+        yield url, exporter
 
 
 def recognize(url: str, headers=None) -> httpx.Response:
