@@ -162,6 +162,22 @@ GC_FROZEN = Gauge(
     registry=REGISTRY,
     multiprocess_mode="livesum",
 )
+LOOP_BUDGET = Gauge(
+    "texel_denoising_budget_images",
+    "Images of the default size a running denoising loop may hold (TEXEL_IMAGE__MAX_BATCH_SIZE), "
+    "by device.",
+    ["model", "device"],
+    registry=REGISTRY,
+    multiprocess_mode="livemax",
+)
+LOOP_USED = Gauge(
+    "texel_denoising_used_images",
+    "Images of the default size in the running denoising loop (larger images count for "
+    "their pixels), by device.",
+    ["model", "device"],
+    registry=REGISTRY,
+    multiprocess_mode="livesum",
+)
 MODEL_READY = Gauge(
     "texel_model_ready",
     "1 once a model is loaded and warmed up (in at least one engine).",

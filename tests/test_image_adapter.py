@@ -318,3 +318,34 @@ async def test_on_a_shared_thread_a_long_denoising_loop_gives_way_to_other_work(
         thread.shutdown()
     assert len(result.value.step_s) == 100
     assert np.array_equal(result.value.images[0], _pixels(runner([long], lambda: False))[0])
+
+
+async def test_the_loops_budget_and_what_it_holds_are_metrics(stepped):
+    from telemetry import metrics
+
+    labels = {"model": stepped.name, "device": "cpu"}
+
+    def sample(name: str) -> float | None:
+        return metrics.REGISTRY.get_sample_value(name, labels)
+
+    runner = stepped.runner(torch.device("cpu"))
+    seen: list[float] = []
+    batcher = Batcher("image", [Worker("cpu", runner.run, stream=runner.stream)],
+                      BatchPolicy(max_batch_size=4, max_wait_s=0.0, max_queue=8))  # fmt: skip
+    batcher.start()
+    try:
+        jobs = _jobs(
+            stepped,
+            ImageRequest("a red circle", seed=3, num_inference_steps=30, num_images=2),
+            ImageRequest("a blue square", seed=4, num_inference_steps=30),
+        )
+        submitted = [batcher.submit(job, bucket=0, cost=1, timeout_s=60) for job in jobs]
+        task = asyncio.ensure_future(asyncio.gather(*submitted))
+        while not task.done():
+            seen.append(sample("texel_denoising_used_images") or 0.0)
+            await asyncio.sleep(0.01)
+        await task
+    finally:
+        await batcher.close()
+    assert sample("texel_denoising_budget_images") == 4
+    assert max(seen) == 3 and sample("texel_denoising_used_images") == 0

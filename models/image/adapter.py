@@ -229,6 +229,7 @@ class ImageGenerator(Model):
         larger batches, which the symbolic graph serves as well.)"""
         d = self._defaults
         self._capacity[str(device)] = max_batch_size
+        metrics.LOOP_BUDGET.labels(self.name, str(device)).set(max_batch_size)
         job = ImageJob("warm-up", None, d.width, d.height, min(d.steps, 2), d.guidance, (0,))
         if self.compile_setting == "off":
             self._generate(str(device), [job] * max_batch_size, lambda: False)
@@ -439,6 +440,7 @@ class ImageGenerator(Model):
         if feed.resumed is not None:  # it gave the thread up to other work and goes on
             running, waiting = feed.resumed
         slice_started = time.perf_counter()
+        used_gauge = metrics.LOOP_USED.labels(self.name, device)
         with torch.inference_mode():
             while True:
                 held_s = time.perf_counter() - slice_started
@@ -463,6 +465,7 @@ class ImageGenerator(Model):
                         feed.done([(key, exc)])
                         continue
                     used += self.units(job)
+                used_gauge.set(used)
                 if not running:
                     if feed.finish():
                         return
