@@ -65,6 +65,7 @@ clean:
 # the shipped weights); evaluation runs anywhere.
 eval-formula: install
 	$(PY) -m training.formula.evaluate --data $(DATA)/im2latex-val --model models/formula/default --served --dtype auto --latency --by-length
+	$(PY) -m training.formula.evaluate --data $(DATA)/im2latex-val --model models/formula/default --served --dtype auto --variants --limit 120
 
 eval-image: install
 	$(PY) -m training.image.evaluate --model models/image/default
