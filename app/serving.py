@@ -231,8 +231,9 @@ class Runtime:
         on_progress: Callable[[int, int | None], None] | None = None,
     ) -> tuple[Any, BatchResult]:
         """A prepared payload through an engine and the response stages, due
-        `REQUEST_TIMEOUT_S` after `arrived` (`time.monotonic()`)."""
-        model = self.model(key)
+        `REQUEST_TIMEOUT_S` after `arrived` (`time.monotonic()`). A request once prepared
+        is not refused for draining: it was accepted before the server began to drain."""
+        model = self.models[key]
         engine = self._pick(key)
         remaining = self.settings.request_timeout_s - (time.monotonic() - arrived)
         if remaining <= 0:
