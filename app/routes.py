@@ -207,10 +207,14 @@ async def _generated(
 ) -> tuple[EncodedImages, BatchResult]:
     """The images of a validated /generate request and the facts of their batch: the one
     path of every image route."""
+    return await unless_disconnected(request, runtime.serve("image", _image_request(body), trace))
+
+
+def _image_request(body: GenerateRequest):
+    """The image model's request for a validated /generate body."""
     from models.image.adapter import ImageRequest
 
-    job = ImageRequest(**body.model_dump())
-    return await unless_disconnected(request, runtime.serve("image", job, trace))
+    return ImageRequest(**body.model_dump())
 
 
 @router.post(
@@ -357,10 +361,8 @@ async def _progress_events(
     refuse gets its error status as ever; once the stream has started, an error is an
     `error` event with the same body. A client that goes away ends the stream, and its
     work stops at the next step."""
-    from models.image.adapter import ImageRequest
-
     arrived = time.monotonic()
-    job = await runtime.prepare("image", ImageRequest(**body.model_dump()), trace)
+    job = await runtime.prepare("image", _image_request(body), trace)
     events: asyncio.Queue[bytes | None] = asyncio.Queue()
 
     def progress(steps: int, ahead: int | None) -> None:

@@ -187,6 +187,12 @@ def _pixels(results) -> list[np.ndarray]:
     return [image for result in results for image in result.images]
 
 
+def _streaming(runner, max_wait_s: float) -> Batcher:
+    """A batcher of up to 4 requests whose worker runs the model's stream."""
+    policy = BatchPolicy(max_batch_size=4, max_wait_s=max_wait_s, max_queue=8)
+    return Batcher("image", [Worker("cpu", runner.run, stream=runner.stream)], policy)
+
+
 def test_texels_denoising_loop_paints_what_the_diffusers_pipeline_paints(stepped):
     jobs = _jobs(
         stepped,
@@ -245,8 +251,7 @@ async def test_requests_join_a_running_denoising_loop_and_leave_when_their_steps
     makes alone."""
     runner = stepped.runner(torch.device("cpu"))
     assert runner.stream is not None
-    batcher = Batcher("image", [Worker("cpu", runner.run, stream=runner.stream)],
-                      BatchPolicy(max_batch_size=4, max_wait_s=0.5, max_queue=8))  # fmt: skip
+    batcher = _streaming(runner, max_wait_s=0.5)
     batcher.start()
     try:
         long, short = _jobs(
@@ -270,8 +275,7 @@ async def test_requests_join_a_running_denoising_loop_and_leave_when_their_steps
 
 async def test_a_request_whose_client_went_away_leaves_the_loop_and_the_others_go_on(stepped):
     runner = stepped.runner(torch.device("cpu"))
-    batcher = Batcher("image", [Worker("cpu", runner.run, stream=runner.stream)],
-                      BatchPolicy(max_batch_size=4, max_wait_s=0.5, max_queue=8))  # fmt: skip
+    batcher = _streaming(runner, max_wait_s=0.5)
     batcher.start()
     try:
         kept, dropped = _jobs(
@@ -330,8 +334,7 @@ async def test_the_loops_budget_and_what_it_holds_are_metrics(stepped):
 
     runner = stepped.runner(torch.device("cpu"))
     seen: list[float] = []
-    batcher = Batcher("image", [Worker("cpu", runner.run, stream=runner.stream)],
-                      BatchPolicy(max_batch_size=4, max_wait_s=0.0, max_queue=8))  # fmt: skip
+    batcher = _streaming(runner, max_wait_s=0.0)
     batcher.start()
     try:
         jobs = _jobs(

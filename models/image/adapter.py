@@ -268,8 +268,8 @@ class ImageGenerator(Model):
         step_s = max((five - one) / 4, 0.0)
         exponent = 1.0
         width, height = self._within_max_side(2 * d.width, 2 * d.height)
-        if width * height > d.width * d.height and one > 0:
-            ratio = (width * height) / (d.width * d.height)
+        ratio = self._pixels_ratio(width, height)
+        if ratio > 1 and one > 0:
             exponent = math.log(max(timed(1, 2), one) / one) / math.log(ratio)
         return ImageSpeed(step_s, max(one - step_s, 0.0), min(max(exponent, 1.0), 2.0))
 
@@ -327,7 +327,7 @@ class ImageGenerator(Model):
         seed = secrets.randbelow(2**31) if request.seed is None else request.seed
         seeds = tuple(seed + i for i in range(request.num_images))
         if self.speed is not None and self.deadline_s is not None:
-            pixels_ratio = (width * height) / (d.width * d.height)
+            pixels_ratio = self._pixels_ratio(width, height)
             estimate_s = self.speed.estimate_s(request.num_images, pixels_ratio, steps)
             if estimate_s > self.deadline_s:
                 raise InvalidParameter(
@@ -365,8 +365,7 @@ class ImageGenerator(Model):
         return (job.height, job.width, job.steps, job.guidance)
 
     def cost(self, job: ImageJob) -> float:
-        d = self._defaults
-        return len(job.seeds) * job.steps * (job.width * job.height) / (d.width * d.height)
+        return self.units(job) * job.steps
 
     def padding_efficiency(self, batch: list[ImageJob]) -> float | None:
         return 1.0  # one bucket means one shape: nothing is padded
@@ -393,8 +392,12 @@ class ImageGenerator(Model):
 
     def units(self, job: ImageJob) -> float:
         """What a request takes of a stream's budget: its images, in default-size ones."""
+        return len(job.seeds) * self._pixels_ratio(job.width, job.height)
+
+    def _pixels_ratio(self, width: int, height: int) -> float:
+        """An image's pixels over the default size's."""
         d = self._defaults
-        return len(job.seeds) * (job.width * job.height) / (d.width * d.height)
+        return (width * height) / (d.width * d.height)
 
     # -- internals -----------------------------------------------------------
 
