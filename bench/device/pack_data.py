@@ -3,7 +3,8 @@
     python -m bench.device.pack_data --data ../shared/data
 
 `.fd/fd.tar.xz`: every im2latex-val image reduced to 16 gray levels (4-bit PNG), with
-formulas.tsv and the vocabulary, for training (about 9 MB instead of 57). `.gb/bench_images.tar`:
+formulas.tsv and the vocabulary, and the school formulas (`k12-formulas/formulas.txt`),
+for training (about 9 MB instead of 57). `.gb/bench_images.tar`:
 the first 500 images unchanged, the benchmarks' fixed workload (about 3 MB).
 """
 
@@ -40,6 +41,7 @@ def main() -> None:
             tar.add(source / extra, f"im2latex-val/{extra}")
         for path, png in zip(images, pngs, strict=True):
             add_bytes(tar, f"im2latex-val/images/{path.name}", png)
+        tar.add(args.data / "k12-formulas" / "formulas.txt", "k12-formulas/formulas.txt")
     with tarfile.open(ROOT / ".gb" / "bench_images.tar", "w") as tar:
         for path in images[: args.bench_images]:
             tar.add(path, f"im2latex-val/images/{path.name}")

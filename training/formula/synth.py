@@ -164,8 +164,11 @@ def mathtext_source(formula: str, rng: np.random.Generator) -> str:
 _PARSER = None
 
 
-def render_formula(formula: str, rng: np.random.Generator, oversample: float) -> Image.Image | None:
-    """Draw a formula in grayscale (ink dark), `oversample` times the im2latex resolution.
+def render_formula(
+    formula: str, rng: np.random.Generator, oversample: float, any_font: bool = False
+) -> Image.Image | None:
+    """Draw a formula in grayscale (ink dark), `oversample` times the im2latex resolution,
+    in a font set weighted towards Computer Modern (or any, equally, with `any_font`).
 
     Returns None when mathtext cannot parse the formula.
     """
@@ -178,7 +181,8 @@ def render_formula(formula: str, rng: np.random.Generator, oversample: float) ->
 
     if _PARSER is None:
         _PARSER = MathTextParser("agg")
-    fontset = FONTSETS[rng.choice(len(FONTSETS), p=FONTSET_WEIGHTS)]
+    weights = None if any_font else FONTSET_WEIGHTS
+    fontset = FONTSETS[rng.choice(len(FONTSETS), p=weights)]
     # im2latex images have an em of about 15 px; render `oversample` times larger.
     em_px = rng.uniform(12.5, 17.0) * oversample
     prop = FontProperties(size=10, math_fontfamily=fontset)
@@ -192,8 +196,14 @@ def render_formula(formula: str, rng: np.random.Generator, oversample: float) ->
     return Image.fromarray(255 - ink)
 
 
-def degrade(image: Image.Image, rng: np.random.Generator, oversample: float) -> Image.Image:
-    """Stroke width, rotation, downsampling, blur, contrast, noise and JPEG, each at random."""
+def degrade(
+    image: Image.Image, rng: np.random.Generator, oversample: float, scale: float = 1.0
+) -> Image.Image:
+    """Stroke width, rotation, downsampling, blur, contrast, noise and JPEG, each at random.
+
+    The picture ends at `scale` times the im2latex resolution (a screenshot may be
+    larger or smaller; the server's preprocessing brings it back to the trained scale).
+    """
     pad = int(rng.integers(4, 24))
     canvas = Image.new("L", (image.width + 2 * pad, image.height + 2 * pad), 255)
     canvas.paste(image, (pad, pad))
@@ -205,13 +215,13 @@ def degrade(image: Image.Image, rng: np.random.Generator, oversample: float) -> 
         image = image.filter(ImageFilter.MaxFilter(3))  # thinner ink
     if rng.random() < 0.25:
         image = image.rotate(
-            float(rng.uniform(-1.2, 1.2)),
+            float(rng.uniform(-2.5, 2.5)),
             resample=Image.Resampling.BILINEAR,
             expand=True,
             fillcolor=255,
         )
     # Downsample to the im2latex scale, as im2markup did with its renders.
-    factor = oversample * rng.uniform(0.92, 1.08)
+    factor = oversample * rng.uniform(0.92, 1.08) / scale
     size = (max(1, round(image.width / factor)), max(1, round(image.height / factor)))
     resample = [Image.Resampling.BILINEAR, Image.Resampling.LANCZOS, Image.Resampling.BOX]
     image = image.resize(size, resample[int(rng.integers(len(resample)))])
@@ -232,22 +242,40 @@ def degrade(image: Image.Image, rng: np.random.Generator, oversample: float) -> 
     return image
 
 
+def picture_scale(rng: np.random.Generator) -> float:
+    """How large a synthetic picture ends, relative to im2latex: mostly at its scale, a
+    third of the time anywhere from half to two and a half times it (log-uniform)."""
+    if rng.random() < 2 / 3:
+        return 1.0
+    return float(np.exp(rng.uniform(np.log(0.45), np.log(2.5))))
+
+
 # Per-process state for rendering workers (set by `init_worker`).
 _COMPOSER: FormulaComposer | None = None
 _SPEC: FormulaImageSpec | None = None
+_SCHOOL: list[str] = []
+# With school formulas given, the share of renders drawn from them.
+SCHOOL_SHARE = 0.5
 
 
-def init_worker(formulas: list[str], spec: FormulaImageSpec, max_tokens: int) -> None:
-    global _COMPOSER, _SPEC
+def init_worker(
+    formulas: list[str], spec: FormulaImageSpec, max_tokens: int, school: list[str] = ()
+) -> None:
+    global _COMPOSER, _SPEC, _SCHOOL
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Missing-glyph warnings from odd formulas would flood the training log.
     logging.getLogger("matplotlib").setLevel(logging.ERROR)
     _COMPOSER = FormulaComposer(formulas, max_tokens=max_tokens)
     _SPEC = spec
+    _SCHOOL = list(school)
 
 
 def render_chunk(job: tuple[int, int]) -> list[tuple[np.ndarray, str]]:
-    """Render `count` composed formulas with seed `seed`: a list of (strip, formula)."""
+    """Render `count` formulas with seed `seed`: a list of (strip, formula).
+
+    Formulas are composed or verbatim training formulas, and with school formulas
+    given, `SCHOOL_SHARE` of them school formulas (some with renamed variables) in
+    any font set."""
     seed, count = job
     assert _COMPOSER is not None and _SPEC is not None, "call init_worker first"
     rng = np.random.default_rng(seed)
@@ -255,14 +283,20 @@ def render_chunk(job: tuple[int, int]) -> list[tuple[np.ndarray, str]]:
     attempts = 0
     while len(out) < count and attempts < 4 * count:
         attempts += 1
-        formula = (
-            _COMPOSER.compose(rng)
-            if rng.random() < 0.7
-            else _COMPOSER.formulas[rng.integers(len(_COMPOSER.formulas))]
-        )
+        school = bool(_SCHOOL) and rng.random() < SCHOOL_SHARE
+        if school:
+            tokens = _SCHOOL[rng.integers(len(_SCHOOL))].split()
+            if rng.random() < 0.4:
+                tokens = FormulaComposer.rename_variables(tokens, rng)
+            formula = " ".join(tokens)
+        elif rng.random() < 0.7:
+            formula = _COMPOSER.compose(rng)
+        else:
+            formula = _COMPOSER.formulas[rng.integers(len(_COMPOSER.formulas))]
         oversample = float(rng.choice([2.0, 3.0]))
-        image = render_formula(formula, rng, oversample)
+        image = render_formula(formula, rng, oversample, any_font=school)
         if image is None:
             continue
-        out.append((prepare_strip(degrade(image, rng, oversample), _SPEC), formula))
+        picture = degrade(image, rng, oversample, picture_scale(rng))
+        out.append((prepare_strip(picture, _SPEC), formula))
     return out

@@ -8,7 +8,9 @@ any width works and right padding leaves the content's positions unchanged)
 and a TrOCR decoder over a word-level im2latex vocabulary. Training mixes the
 real images of the train split with formulas rendered on the fly by
 `training.formula.synth` in a pool of worker processes and, with `--rendered`, a
-set drawn beforehand by real LaTeX (`training.formula.latex_render`); every batch
+set drawn beforehand by real LaTeX (`training.formula.latex_render`); with `--school`,
+school-mathematics formulas (`training.formula.school`) are rendered beside them and
+their tokens join the vocabulary (appended, so a continued model keeps its ids); every batch
 is padded like a server batch. At the end the dev split is decoded greedily and scored,
 and the model is saved (fp16 safetensors, tokenizer, preprocessor and
 generation configs).
@@ -39,6 +41,8 @@ from training.formula import synth
 from training.formula.data import load_strips, read_formulas, split_samples
 from training.formula.evaluate import markdown_table, recognize, score
 from training.formula.latex_render import read_rendered
+from training.formula.school import read_formulas as read_school_formulas
+from training.formula.school import split_formulas as split_school
 from training.formula.tokenizer import (
     build_tokenizer,
     build_vocabulary,
@@ -131,6 +135,7 @@ class SyntheticStream:
         seed: int,
         workers: int,
         capacity: int,
+        school: list[str] = (),
     ):
         self.strips: list[np.ndarray] = []
         self.ids: list[list[int]] = []
@@ -142,7 +147,9 @@ class SyntheticStream:
         self._tokenizer = tokenizer
         context = mp.get_context("fork")
         self._pool = context.Pool(
-            workers, initializer=synth.init_worker, initargs=(formulas, spec, MAX_TOKENS)
+            workers,
+            initializer=synth.init_worker,
+            initargs=(formulas, spec, MAX_TOKENS, list(school)),
         )
         jobs = ((seed * 1_000_003 + i, 32) for i in range(10**9))
         self._results = self._pool.imap_unordered(synth.render_chunk, jobs, chunksize=1)
@@ -183,14 +190,41 @@ def _rendered_strip(spec: FormulaImageSpec, gray: np.ndarray) -> np.ndarray:
     return prepare_strip(Image.fromarray(gray), spec)
 
 
+def extended_vocabulary(saved: dict[str, int], tokens: set[str]) -> list[str]:
+    """A saved model's vocabulary in id order, then the `tokens` it lacks, sorted."""
+    ordered = sorted(saved, key=saved.__getitem__)
+    assert [saved[t] for t in ordered] == list(range(len(ordered))), "saved ids have gaps"
+    return [*ordered, *sorted(tokens - saved.keys())]
+
+
+def school_tokens(formulas: Sequence[str], min_count: int = 2) -> set[str]:
+    """Tokens used by at least `min_count` formulas: rarer ones (typos, glued
+    commands such as `\\LambdaBEF`) stay out, and so do the formulas using them."""
+    counts: dict[str, int] = {}
+    for formula in formulas:
+        for token in set(formula.split()):
+            counts[token] = counts.get(token, 0) + 1
+    return {token for token, count in counts.items() if count >= min_count}
+
+
+def resize_vocabulary(model, size: int):
+    """`model` with its decoder's (tied) token embeddings grown to `size` rows; new rows
+    start at the mean of the trained ones, the transformers default."""
+    if size != model.config.decoder.vocab_size:
+        model.decoder.resize_token_embeddings(size)
+        model.config.decoder.vocab_size = size
+    return model
+
+
 def load_rendered(
-    path: str, spec: FormulaImageSpec, tokenizer, workers: int
+    paths: str, spec: FormulaImageSpec, tokenizer, workers: int
 ) -> list[tuple[np.ndarray, list[int]]]:
-    """A pre-rendered LaTeX set as (strip, token ids), strips made like the real ones'.
+    """Pre-rendered LaTeX sets (comma-separated paths) as (strip, token ids), strips made
+    like the real ones'.
 
     Formulas with a token outside the vocabulary, or too long, are skipped and counted.
     """
-    rows = read_rendered(path)
+    rows = [row for path in paths.split(",") for row in read_rendered(path)]
     kept, out_of_vocab, too_long = [], 0, 0
     for gray, formula in rows:
         ids = encode_formula(tokenizer, formula, MAX_TOKENS)
@@ -203,7 +237,7 @@ def load_rendered(
     with mp.get_context("fork").Pool(max(1, workers)) as pool:
         strips = pool.map(partial(_rendered_strip, spec), [gray for gray, _ in kept], chunksize=256)
     print(
-        f"rendered set {path}: {len(kept)} of {len(rows)} images; skipped {out_of_vocab} "
+        f"rendered sets {paths}: {len(kept)} of {len(rows)} images; skipped {out_of_vocab} "
         f"(tokens outside the vocabulary), {too_long} (over {MAX_TOKENS - 1} tokens)",
         flush=True,
     )
@@ -313,13 +347,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--rendered",
         default="",
-        help="a pre-rendered LaTeX set to mix in (folder, .lvl.xz or .tar.xz from latex_render)",
+        help="pre-rendered LaTeX sets to mix in, comma-separated (folders, .lvl.xz or "
+        ".tar.xz from latex_render)",
     )
     parser.add_argument(
         "--rendered-fraction",
         type=float,
         default=0.3,
         help="with --rendered: share of each batch from that set",
+    )
+    parser.add_argument(
+        "--school",
+        default="",
+        help="k12-formulas folder: render its train formulas too and add their tokens",
     )
     parser.add_argument(
         "--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2), help="render processes"
@@ -369,17 +409,35 @@ def main(argv: Sequence[str] | None = None) -> None:
         dev = dev[: args.dev_limit]
     vocab_file = Path(args.data) / "im2latex-vocab.txt"
     extra = read_vocab_file(vocab_file) if vocab_file.exists() else []
-    tokenizer = build_tokenizer(build_vocabulary([s.formula for s in train], extra))
+    school: list[str] = []
+    if args.school:
+        school, _ = split_school(read_school_formulas(args.school))
+        extra = [*extra, *school_tokens(school)]
+    vocabulary = build_vocabulary([s.formula for s in train], extra)
     if args.init_from:
-        # Continue a saved model: its own vocabulary must match the one built from this data.
+        # Continue a saved model: its ids stay, and new tokens are appended after them.
         from transformers import AutoTokenizer
 
-        saved = AutoTokenizer.from_pretrained(args.init_from)
-        assert saved.get_vocab() == tokenizer.get_vocab(), "vocabulary differs from --init-from's"
-    print(f"train {len(train)}, dev {len(dev)}, vocabulary {len(tokenizer)}", flush=True)
+        saved = AutoTokenizer.from_pretrained(args.init_from).get_vocab()
+        vocabulary = extended_vocabulary(saved, set(vocabulary))
+    tokenizer = build_tokenizer(vocabulary)
+    if school:
+        known = set(vocabulary)
+        school = [f for f in school if known.issuperset(f.split())]
+    print(
+        f"train {len(train)}, dev {len(dev)}, school {len(school)}, "
+        f"vocabulary {len(tokenizer)}",
+        flush=True,
+    )
 
     stream = SyntheticStream(
-        [s.formula for s in train], spec, tokenizer, args.seed, args.workers, args.pool_capacity
+        [s.formula for s in train],
+        spec,
+        tokenizer,
+        args.seed,
+        args.workers,
+        args.pool_capacity,
+        school,
     )
     real = [
         (strip, ids)
@@ -395,7 +453,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         from transformers import VisionEncoderDecoderModel
 
         model = VisionEncoderDecoderModel.from_pretrained(args.init_from).float()
-        model = grow_decoder(model, args.grow_decoder_to).to(device)
+        model = grow_decoder(model, args.grow_decoder_to)
+        model = resize_vocabulary(model, len(tokenizer)).to(device)
     else:
         model = build_model(len(tokenizer), spec, args).to(device)
     params = sum(p.numel() for p in model.parameters())
