@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from training.formula import latex_render
+from training.formula import latex_render, school
 from training.formula.data import FormulaSample, is_dev, quantized_png
 
 needs_latex = pytest.mark.skipif(
@@ -218,3 +218,83 @@ def test_origins_of_an_older_set_are_recovered_from_the_train_split(tmp_path):
         latex_render.COMPOSED,
         latex_render.COMPOSED,
     ]
+
+
+# School maths as written in the k12 collection, using what its preamble has to load.
+SCHOOL_FORMULAS = [
+    r"a+b \geqslant 4 \because x \leqslant 1 \therefore \complement_{U} A=\varnothing",
+    r"\boldsymbol{a} \cdot \overrightarrow{C B}=0, \mathscr{F}, \overparen{A B}",
+    r"f(x)=a \ln x+\frac{1}{2} x^{2}(a>0) \text { A. } 3 \mathrm{~cm}",
+]
+
+
+def write_school(folder: Path, lines: list[str]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / school.FORMULAS_FILE).write_text("".join(f"{line}\n" for line in lines))
+    return folder
+
+
+@needs_latex
+def test_every_font_setup_draws_school_maths():
+    for font in latex_render.FONTS:
+        pages = latex_render.render_pages(SCHOOL_FORMULAS, [100] * 3, font)
+        assert all(page is not None for page in pages), font
+
+
+@needs_latex
+def test_font_setups_draw_different_glyphs():
+    pages = {
+        font: np.asarray(latex_render.render_pages([r"f(x) = a x"], [150], font)[0])
+        for font in ("cm", "times", "sans")
+    }
+    assert pages["cm"].shape != pages["times"].shape or not np.array_equal(
+        pages["cm"], pages["times"]
+    )
+    assert not np.array_equal(pages["cm"], pages["sans"])
+
+
+def test_training_renders_refuse_the_evaluation_fonts():
+    assert set(latex_render.TRAIN_FONTS) | set(latex_render.EVAL_FONTS) == set(latex_render.FONTS)
+    assert not set(latex_render.TRAIN_FONTS) & set(latex_render.EVAL_FONTS)
+    for font in latex_render.EVAL_FONTS:
+        with pytest.raises(ValueError, match="evaluation"):
+            latex_render.training_fonts(["cm", font])
+    with pytest.raises(ValueError, match="unknown"):
+        latex_render.training_fonts(["comic"])
+
+
+def test_the_school_command_refuses_an_evaluation_font(tmp_path):
+    data = write_school(tmp_path / "k12", SCHOOL_FORMULAS)
+    with pytest.raises(SystemExit):
+        latex_render.main(["--school", str(data), "--fonts", "cm,kp", "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
+
+
+def test_school_jobs_draw_train_formulas_as_typed_and_label_them_normalized(tmp_path):
+    lines = [f"x_{{{i}}}+y \\geqslant {i}" for i in range(80)]
+    source = latex_render.SchoolSource(write_school(tmp_path / "k12", lines), ["cm", "times"])
+    normalized = {school.normalize(line): line for line in lines}
+    assert any(school.is_dev(f) for f in normalized), "the fixture needs some dev formulas"
+    job, labels, origins = source.job(seed=5, index=0, size=len(normalized))
+    assert job.font in ("cm", "times") and not job.bucket
+    assert not any(school.is_dev(label) for label in labels)
+    assert [normalized[label] for label in labels] == list(job.formulas)
+    # One pass over the train formulas before any comes again.
+    train = [f for f in normalized if not school.is_dev(f)]
+    assert sorted(labels[: len(train)]) == sorted(train)
+    assert origins == [latex_render.SCHOOL] * len(labels)
+    assert source.job(seed=5, index=0, size=len(normalized))[1] == labels
+
+
+@needs_latex
+def test_a_school_set_packs_and_reads_back_in_the_training_format(tmp_path):
+    data = write_school(tmp_path / "k12", SCHOOL_FORMULAS * 2 + [r"x \undefinedcommand y"])
+    stats = latex_render.render_school_set(
+        data, tmp_path / "set", count=4, seed=1, workers=1, fonts=["lmodern"], chunk=4
+    )
+    assert stats["images"] == 4
+    rows = latex_render.read_rendered(tmp_path / "set")
+    train = {f for f in school.read_formulas(data) if not school.is_dev(f)}
+    assert {formula for _, formula in rows} <= train
+    latex_render.pack(tmp_path / "set", tmp_path / "set.lvl.xz", max_bytes=10**6)
+    assert_same_rows(latex_render.read_rendered(tmp_path / "set.lvl.xz"), rows)

@@ -21,6 +21,19 @@ The formulas are train-split formulas and new ones composed from them by
 adds to it. For a device run it packs into one archive: a `.lvl.xz` (gray levels
 compressed across images, about a quarter of the PNGs' bytes) or a `.tar.xz` of the
 PNGs, optionally cut to a size and to a share of verbatim train formulas.
+
+Font setups (`FONTS`, `--fonts`): Computer Modern as im2latex, and Latin Modern, Times
+(newtx) and Palatino (newpx) for training; Utopia (fourier), Kp and a sans serif
+(cmbright) are kept for evaluation as styles the model never saw, and training
+renders refuse them. Each LaTeX document (a chunk) is in one font.
+
+    python -m training.formula.latex_render --school ../shared/data/k12-formulas \\
+        --fonts cm,lmodern,times,palatino --out .rs/school --count 40000 --seed 31 \\
+        --workers 2 --pack .rs/school.lvl.xz --pack-max-mb 12
+
+renders the school collection's train formulas instead (`school.split_formulas`; never
+a dev one), each drawn as typed and labelled normalized, as screenshots: cropped to
+the ink with a margin, no bucket, at an em of about 9, 14 or 24 px (`SCHOOL_DPIS`).
 """
 
 from __future__ import annotations
@@ -42,19 +55,45 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from training.formula import school
 from training.formula.data import add_bytes, quantized_png, read_formulas, split_samples
 from training.formula.synth import FormulaComposer
 
 # im2markup's rendering: article at its default 10pt, display math, no page numbers. amssymb is
-# loaded as well since normalized im2latex formulas use its symbols. A glyph
-# missing from a font is an error (\tracinglostchars=3) instead of a silent gap.
-PREAMBLE = r"""\documentclass{article}
-\usepackage{amsmath}
-\usepackage{amssymb}
+# loaded as well since normalized im2latex formulas use its symbols, and what school maths
+# needs beyond it (`\mathscr`; `\overparen`, an arc over a chord, where the font has none).
+# A glyph missing from a font is an error (\tracinglostchars=3) instead of a silent gap.
+_PREAMBLE_HEAD = "\\documentclass{article}\n\\usepackage{amsmath}\n"
+_PREAMBLE_TAIL = r"""\usepackage{mathrsfs}
+\providecommand{\overparen}[1]{\overset{\frown}{#1}}
 \pagestyle{empty}
 \tracinglostchars=3
 \begin{document}
 """
+# Font setups: the preamble lines that choose the text and math fonts (after amsmath, which
+# newtxmath and kpfonts want first). Those whose math fonts bring the AMS symbols
+# themselves leave amssymb out: loading it again redefines them, an error.
+FONTS = {
+    "cm": (r"\usepackage{amssymb}",),
+    "lmodern": (r"\usepackage[T1]{fontenc}", r"\usepackage{lmodern}", r"\usepackage{amssymb}"),
+    "times": (r"\usepackage{newtxtext}", r"\usepackage{newtxmath}"),
+    "palatino": (r"\usepackage{newpxtext}", r"\usepackage{newpxmath}"),
+    "utopia": (r"\usepackage{amssymb}", r"\usepackage[T1]{fontenc}", r"\usepackage{fourier}"),
+    "kp": (r"\usepackage{kpfonts}",),
+    "sans": (r"\usepackage{cmbright}", r"\usepackage{amssymb}"),
+}
+# Training renders only these; the others are the evaluation's unseen styles.
+TRAIN_FONTS = ("cm", "lmodern", "times", "palatino")
+EVAL_FONTS = ("utopia", "kp", "sans")
+DEFAULT_FONT = "cm"
+
+
+def preamble(font: str = DEFAULT_FONT) -> str:
+    """The document's preamble in font setup `font` (a key of FONTS)."""
+    return _PREAMBLE_HEAD + "".join(line + "\n" for line in FONTS[font]) + _PREAMBLE_TAIL
+
+
+PREAMBLE = preamble()
 BEGIN_MARK = "TEXEL-BEGIN"
 END_MARK = "TEXEL-END"
 _MARK = re.compile(rf"^({BEGIN_MARK}|{END_MARK}) (\d+)$")
@@ -120,22 +159,25 @@ LEVEL_FILTERS = [{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME, "p
 
 @dataclass(frozen=True)
 class RenderJob:
-    """Formulas to draw in one LaTeX document, each with its resolution and padding."""
+    """Formulas to draw in one LaTeX document, each with its resolution and padding; in
+    im2latex's layout (a bucket, see `im2markup_image`) or cropped as a screenshot is."""
 
     formulas: tuple[str, ...]
     dpis: tuple[int, ...]
     pads: tuple[int, ...]
     strokes: tuple[int, ...]
+    font: str = DEFAULT_FONT
+    bucket: bool = True
 
 
-def latex_document(formulas: Sequence[str]) -> str:
+def latex_document(formulas: Sequence[str], font: str = DEFAULT_FONT) -> str:
     """One page per formula, each between log markers that name its index."""
     pages = [
         f"\\typeout{{{BEGIN_MARK} {i}}}\n\\begin{{displaymath}}\n{formula}\n"
         f"\\end{{displaymath}}\n\\typeout{{{END_MARK} {i}}}\n\\newpage\n"
         for i, formula in enumerate(formulas)
     ]
-    return PREAMBLE + "".join(pages) + "\\end{document}\n"
+    return preamble(font) + "".join(pages) + "\\end{document}\n"
 
 
 def failed_formulas(log: str, count: int) -> tuple[set[int], bool]:
@@ -168,11 +210,11 @@ def failed_formulas(log: str, count: int) -> tuple[set[int], bool]:
     return failed, complete
 
 
-def _compile(formulas: Sequence[str], work: Path) -> tuple[Path, set[int], bool]:
+def _compile(formulas: Sequence[str], work: Path, font: str) -> tuple[Path, set[int], bool]:
     """Run latex on one document of `formulas`: the DVI, the failed indices, and whether
     the log accounts for the whole document (see `failed_formulas`)."""
     tex = work / "f.tex"
-    tex.write_text(latex_document(formulas))
+    tex.write_text(latex_document(formulas, font))
     dvi, log = work / "f.dvi", work / "f.log"
     for stale in (dvi, log):
         stale.unlink(missing_ok=True)
@@ -221,8 +263,11 @@ def _rasterize(dvi: Path, pages: dict[int, int], work: Path) -> dict[int, Image.
     return images
 
 
-def render_pages(formulas: Sequence[str], dpis: Sequence[int]) -> list[Image.Image | None]:
-    """Each formula drawn by LaTeX at its dpi (uncropped), or None where it does not compile.
+def render_pages(
+    formulas: Sequence[str], dpis: Sequence[int], font: str = DEFAULT_FONT
+) -> list[Image.Image | None]:
+    """Each formula drawn by LaTeX at its dpi in font setup `font` (uncropped), or None
+    where it does not compile.
 
     The formulas with errors are dropped and the rest compiled again, until a compile
     is error-free; so every image returned comes from an error-free document. When
@@ -235,7 +280,7 @@ def render_pages(formulas: Sequence[str], dpis: Sequence[int]) -> list[Image.Ima
         for _ in range(MAX_COMPILES):
             if not pending:
                 return results
-            dvi, failed, complete = _compile([formulas[i] for i in pending], work)
+            dvi, failed, complete = _compile([formulas[i] for i in pending], work, font)
             if complete and not failed:
                 pages = {k + 1: dpis[i] for k, i in enumerate(pending)}
                 for page, image in _rasterize(dvi, pages, work).items():
@@ -247,7 +292,7 @@ def render_pages(formulas: Sequence[str], dpis: Sequence[int]) -> list[Image.Ima
             pending = [i for k, i in enumerate(pending) if k not in failed]
     if len(pending) > 1:
         for half in (pending[: len(pending) // 2], pending[len(pending) // 2 :]):
-            images = render_pages([formulas[i] for i in half], [dpis[i] for i in half])
+            images = render_pages([formulas[i] for i in half], [dpis[i] for i in half], font)
             for i, image in zip(half, images, strict=True):
                 results[i] = image
     return results
@@ -287,12 +332,30 @@ def im2markup_image(
     return canvas.resize(size, Image.Resampling.LANCZOS)
 
 
+def screen_image(page: Image.Image, pad: int, stroke: int = 0) -> Image.Image | None:
+    """Crop to the ink, pad and downsample by 2, as a screenshot of a formula is cropped
+    (no bucket); with `stroke` 1 the strokes are thickened first. None for a page without
+    ink."""
+    if stroke:
+        page = thicken(page)
+    ink = np.asarray(page) < 255
+    rows, cols = np.nonzero(ink.any(axis=1))[0], np.nonzero(ink.any(axis=0))[0]
+    if rows.size == 0:
+        return None
+    crop = page.crop((int(cols[0]), int(rows[0]), int(cols[-1]) + 1, int(rows[-1]) + 1))
+    canvas = Image.new("L", (crop.width + 2 * pad, crop.height + 2 * pad), 255)
+    canvas.paste(crop, (pad, pad))
+    size = (max(1, canvas.width // DOWNSAMPLE), max(1, canvas.height // DOWNSAMPLE))
+    return canvas.resize(size, Image.Resampling.LANCZOS)
+
+
 def render_job(job: RenderJob) -> list[bytes | None]:
     """The job's formulas as quantized PNGs, None where LaTeX failed."""
-    pages = render_pages(job.formulas, job.dpis)
+    pages = render_pages(job.formulas, job.dpis, job.font)
+    layout = im2markup_image if job.bucket else screen_image
     out: list[bytes | None] = []
     for page, pad, stroke in zip(pages, job.pads, job.strokes, strict=True):
-        image = im2markup_image(page, pad, stroke) if page is not None else None
+        image = layout(page, pad, stroke) if page is not None else None
         out.append(quantized_png(image) if image is not None else None)
     return out
 
@@ -311,7 +374,9 @@ def renderable(formula: str) -> bool:
 class FormulaSource:
     """Train formulas and compositions of them, never a dev formula, from a seed."""
 
-    def __init__(self, data_dir: str | Path, train_share: float = 0.3):
+    def __init__(
+        self, data_dir: str | Path, train_share: float = 0.3, fonts: Sequence[str] = (DEFAULT_FONT,)
+    ):
         samples = read_formulas(data_dir)
         train, dev = split_samples(samples)
         self.train = [s.formula for s in train]
@@ -319,6 +384,7 @@ class FormulaSource:
         self.dev = frozenset(s.formula for s in dev)
         self.composer = FormulaComposer(self.train, max_tokens=MAX_TOKENS - 1)
         self.train_share = train_share
+        self.fonts = training_fonts(fonts)
         self.rejected_dev = 0
 
     def draw(self, rng: np.random.Generator) -> tuple[str, bool]:
@@ -338,15 +404,90 @@ class FormulaSource:
             if len(formula.split()) < MAX_TOKENS and renderable(formula):
                 return formula, composed
 
-    def job(self, seed: int, index: int, size: int) -> tuple[RenderJob, list[bool]]:
-        """Chunk `index` of the set made with `seed`: the same formulas wherever it runs."""
+    def job(self, seed: int, index: int, size: int) -> tuple[RenderJob, list[str], list[str]]:
+        """Chunk `index` of the set made with `seed`: the same formulas wherever it runs,
+        with each one's label (the formula itself) and origin (VERBATIM or COMPOSED)."""
         rng = np.random.default_rng([seed, index])
         drawn = [self.draw(rng) for _ in range(size)]
         dpis = tuple(int(d) for d in rng.choice(DPI_CHOICES, size))
         pads = tuple(int(p) for p in rng.choice(PAD_CHOICES, size))
         strokes = tuple(int(s) for s in rng.choice(STROKE_CHOICES, size))
-        job = RenderJob(tuple(f for f, _ in drawn), dpis, pads, strokes)
-        return job, [c for _, c in drawn]
+        # Its own generator, so that a set in Computer Modern alone is what it always was.
+        font = self.fonts[int(np.random.default_rng([seed, index, 1]).integers(len(self.fonts)))]
+        formulas = tuple(f for f, _ in drawn)
+        job = RenderJob(formulas, dpis, pads, strokes, font)
+        return job, list(formulas), [COMPOSED if c else VERBATIM for _, c in drawn]
+
+
+def training_fonts(fonts: Sequence[str]) -> tuple[str, ...]:
+    """`fonts` checked: known, and none kept for evaluation (ValueError)."""
+    for font in fonts:
+        if font not in FONTS:
+            raise ValueError(f"unknown font setup {font!r}; known: {', '.join(FONTS)}")
+        if font not in TRAIN_FONTS:
+            raise ValueError(
+                f"font setup {font!r} is kept for evaluation (unseen styles); "
+                f"training renders {', '.join(TRAIN_FONTS)}"
+            )
+    if not fonts:
+        raise ValueError("no font setup given")
+    return tuple(fonts)
+
+
+# School maths at screen-like sizes: 10pt at these resolutions, halved, gives an em of
+# about 9, 14 (im2latex's) and 24 px, each varied by some 7%; a screenshot's crop. Few
+# resolutions, since dvipng runs once per resolution in a document.
+SCHOOL_DPIS = ((120, 130, 140), (185, 200, 215), (325, 350, 375))
+SCHOOL_PADS = (4, 8, 12, 16, 24)
+SCHOOL_STROKES = (0, 0, 1)
+SCHOOL = "school"  # the origin of a school-maths image: a verbatim train formula
+
+
+def school_sources(data_dir: str | Path) -> dict[str, str]:
+    """Normalized school formula -> the first line of the collection that normalizes to it,
+    as its author typed it: what LaTeX draws (their spacing inside `\\text` kept)."""
+    sources: dict[str, str] = {}
+    for line in (Path(data_dir) / school.FORMULAS_FILE).read_text().splitlines():
+        sources.setdefault(school.normalize(line), line.strip())
+    return sources
+
+
+class SchoolSource:
+    """The school collection's train formulas (`school.split_formulas`, never a dev one),
+    each pass over them in a fresh order from the seed, drawn in training fonts at
+    screen-like sizes (SCHOOL_DPIS) and labelled with the normalized formula."""
+
+    def __init__(self, data_dir: str | Path, fonts: Sequence[str] = TRAIN_FONTS):
+        train, _ = school.split_formulas(school.read_formulas(data_dir))
+        sources = school_sources(data_dir)
+        self.formulas = [
+            (f, sources[f]) for f in train if len(f.split()) < MAX_TOKENS and renderable(f)
+        ]
+        self.fonts = training_fonts(fonts)
+        self.rejected_dev = 0  # none can be drawn: the pool is the train split
+
+    def job(self, seed: int, index: int, size: int) -> tuple[RenderJob, list[str], list[str]]:
+        """Chunk `index` of the set made with `seed` (formulas index x size on, in the
+        seed's order), with each one's label and origin."""
+        count = len(self.formulas)
+        orders: dict[int, np.ndarray] = {}  # pass -> its order
+        picks = []
+        for position in range(index * size, (index + 1) * size):
+            turn = position // count
+            if turn not in orders:
+                orders[turn] = np.random.default_rng([seed, turn, 2]).permutation(count)
+            picks.append(self.formulas[int(orders[turn][position % count])])
+        rng = np.random.default_rng([seed, index])
+        font = self.fonts[int(rng.integers(len(self.fonts)))]
+        sizes, steps = rng.integers(len(SCHOOL_DPIS), size=size), rng.integers(3, size=size)
+        dpis = tuple(SCHOOL_DPIS[a][b] for a, b in zip(sizes, steps, strict=True))
+        pads = tuple(int(p) for p in rng.choice(SCHOOL_PADS, size))
+        # Thickened strokes only from im2latex's size up: on the small ones a pixel is a lot.
+        strokes = tuple(
+            int(s) if a else 0 for s, a in zip(rng.choice(SCHOOL_STROKES, size), sizes, strict=True)
+        )
+        job = RenderJob(tuple(source for _, source in picks), dpis, pads, strokes, font, False)
+        return job, [formula for formula, _ in picks], [SCHOOL] * size
 
 
 def render_set(
@@ -359,25 +500,57 @@ def render_set(
     max_minutes: float = 0,
     train_share: float = 0.3,
     append: bool = False,
+    fonts: Sequence[str] = (DEFAULT_FONT,),
 ) -> dict[str, int]:
     """Write `count` images (fewer if `max_minutes` runs out), formulas.tsv and origins.tsv
-    to `out_dir`; `train_share` of the draws are verbatim train formulas.
+    to `out_dir`; `train_share` of the draws are verbatim train formulas, each chunk in
+    one of `fonts` (training fonts only).
 
     With `append`, the images join the set already there, named after its last one (give
     a seed the set was not made with, or its formulas come again).
     """
     out = Path(out_dir)
+    if append and (out / "formulas.tsv").exists():
+        recover_origins(out, data_dir)
+    source = FormulaSource(data_dir, train_share, fonts)
+    return _write_set(source, out, count, seed, workers, chunk, max_minutes, append)
+
+
+def render_school_set(
+    data_dir: str | Path,
+    out_dir: str | Path,
+    count: int,
+    seed: int,
+    workers: int,
+    fonts: Sequence[str] = TRAIN_FONTS,
+    chunk: int = CHUNK,
+    max_minutes: float = 0,
+    append: bool = False,
+) -> dict[str, int]:
+    """As `render_set`, for the school collection in `data_dir` (see `SchoolSource`)."""
+    source = SchoolSource(data_dir, fonts)
+    return _write_set(source, Path(out_dir), count, seed, workers, chunk, max_minutes, append)
+
+
+def _write_set(
+    source: FormulaSource | SchoolSource,
+    out: Path,
+    count: int,
+    seed: int,
+    workers: int,
+    chunk: int,
+    max_minutes: float,
+    append: bool,
+) -> dict[str, int]:
     (out / "images").mkdir(parents=True, exist_ok=True)
     first = 0
     if append and (out / "formulas.tsv").exists():
-        recover_origins(out, data_dir)
         names = [name for name, _ in _set_rows(out)]
         first = 1 + max((int(Path(name).stem) for name in names), default=-1)
-    source = FormulaSource(data_dir, train_share)
     stats = {"images": 0, "composed": 0, "train": 0, "failed": 0, "chunks": 0}
     started = time.perf_counter()
 
-    def jobs() -> Iterator[tuple[RenderJob, list[bool]]]:
+    def jobs() -> Iterator[tuple[RenderJob, list[str], list[str]]]:
         index = 0
         while True:
             yield source.job(seed, index, chunk)
@@ -390,15 +563,15 @@ def render_set(
         # set depends on the seed only, not on which worker finished first.
         window = []
         for _ in range(2 * workers):
-            job, composed = next(planned)
-            window.append((pool.submit(render_job, job), job, composed))
+            job, labels, kinds = next(planned)
+            window.append((pool.submit(render_job, job), labels, kinds))
         while stats["images"] < count:
-            future, job, composed = window.pop(0)
+            future, labels, kinds = window.pop(0)
             pngs = future.result()
-            following, following_composed = next(planned)
-            window.append((pool.submit(render_job, following), following, following_composed))
+            job, following_labels, following_kinds = next(planned)
+            window.append((pool.submit(render_job, job), following_labels, following_kinds))
             stats["chunks"] += 1
-            for png, formula, is_composed in zip(pngs, job.formulas, composed, strict=True):
+            for png, formula, origin in zip(pngs, labels, kinds, strict=True):
                 if stats["images"] >= count:
                     break
                 if png is None:
@@ -407,9 +580,9 @@ def render_set(
                 name = f"{first + stats['images']:07d}.png"
                 (out / "images" / name).write_bytes(png)
                 lines.append(f"{name}\t{formula}\n")
-                origins.append(f"{name}\t{COMPOSED if is_composed else VERBATIM}\n")
+                origins.append(f"{name}\t{origin}\n")
                 stats["images"] += 1
-                stats["composed" if is_composed else "train"] += 1
+                stats["composed" if origin == COMPOSED else "train"] += 1
             elapsed = time.perf_counter() - started
             print(
                 f"{stats['images']}/{count} images, {stats['failed']} failed, "
@@ -713,6 +886,17 @@ def _png_gray(png: bytes) -> np.ndarray:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default="../shared/data/im2latex-val", help="im2latex-val folder")
+    parser.add_argument(
+        "--school",
+        default="",
+        help="render this school-maths collection's train formulas instead (k12-formulas folder)",
+    )
+    parser.add_argument(
+        "--fonts",
+        default="",
+        help=f"comma-separated font setups, one per chunk at random (training ones: "
+        f"{', '.join(TRAIN_FONTS)}; default cm, or all of them with --school)",
+    )
     parser.add_argument("--out", help="folder for images/ and formulas.tsv")
     parser.add_argument("--count", type=int, default=1000, help="images to write")
     parser.add_argument("--seed", type=int, default=0)
@@ -756,7 +940,25 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if not args.out:
         parser.error("--out is required")
-    if args.count:
+    default_fonts = TRAIN_FONTS if args.school else (DEFAULT_FONT,)
+    fonts = tuple(f for f in args.fonts.split(",") if f) or default_fonts
+    try:
+        training_fonts(fonts)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.count and args.school:
+        stats = render_school_set(
+            args.school,
+            args.out,
+            args.count,
+            args.seed,
+            args.workers,
+            fonts,
+            args.chunk,
+            args.max_minutes,
+            args.append,
+        )
+    elif args.count:
         stats = render_set(
             args.data,
             args.out,
@@ -767,7 +969,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             args.max_minutes,
             args.train_share,
             args.append,
+            fonts,
         )
+    if args.count:
         print(
             f"{stats['images']} images ({stats['train']} train formulas, {stats['composed']} "
             f"compositions) in {stats['seconds']} s; {stats['failed']} formulas did not "
@@ -776,7 +980,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     if args.pack:
         started = time.perf_counter()
-        recover_origins(args.out, args.data)
+        if not args.school:
+            recover_origins(args.out, args.data)
         packed = pack(args.out, args.pack, int(args.pack_max_mb * 1e6), args.verbatim_share)
         size = Path(args.pack).stat().st_size
         print(
