@@ -120,7 +120,9 @@ def single_process_app(settings: Settings, plan: ProcessPlan | None = None):
     from app.main import build_app
 
     devices = plan.devices if plan is not None else [torch.device("cpu")]
-    engine = LocalEngine(Engine(devices[0], model_plans(settings, devices[:1])))
+    engine = LocalEngine(
+        Engine(devices[0], model_plans(settings, devices[:1]), settings.advanced.gpu_sharing)
+    )
     return build_app(settings, request_models(settings, devices[:1]), [engine])
 
 
@@ -218,11 +220,10 @@ class Launcher:
                    for i, d in enumerate(self.plan.devices)]  # fmt: skip
         plans = model_plans(self.settings, self.plan.devices)
         s = self.settings
+        engine_args = (s.log_format, s.log_level, s.drain_timeout_s, s.advanced.gpu_sharing)
         children = [
             _Child(
-                f"texel-engine-{name}",
-                run_engine,
-                (name, plans, path, os.getpid(), s.log_format, s.log_level, s.drain_timeout_s),
+                f"texel-engine-{name}", run_engine, (name, plans, path, os.getpid(), *engine_args)
             )
             for name, path in engines
         ]

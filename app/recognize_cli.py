@@ -170,7 +170,8 @@ class LocalRecognizer(Recognizer):
         from engine import Engine, LocalEngine
 
         devices = ProcessPlan.of(self.settings).devices[:1]
-        engine = LocalEngine(Engine(devices[0], model_plans(self.settings, devices)))
+        plans = model_plans(self.settings, devices)
+        engine = LocalEngine(Engine(devices[0], plans, self.settings.advanced.gpu_sharing))
         self.runtime = Runtime(self.settings, request_models(self.settings, devices), [engine])
         await self.runtime.start()
         while (state := self.runtime.model_state("formula"))[0] != "ready":

@@ -89,13 +89,16 @@ class Worker:
     `executor` is the single thread that runs them; pass one to share a device's
     thread between batchers (a CPU should have one compute thread), else the
     batcher makes its own. With `stream`, batches run continuously through it
-    instead of `run` (which the batcher then does not call).
+    instead of `run` (which the batcher then does not call); `on_step` is called on the
+    worker's thread at each of a stream's step boundaries (`Feed.take`), for whoever times
+    the device's work.
     """
 
     name: str
     run: BatchRunner
     executor: Executor | None = None
     stream: StreamRunner | None = None
+    on_step: Callable[[], None] | None = None
 
 
 class BatchObserver(Protocol):
@@ -458,6 +461,7 @@ class Batcher:
             ),
             on_leave=self._observer.leave,
             yield_when=lambda: getattr(self._executors[worker.name], "waiting", 0) > 0,
+            on_step=worker.on_step,
         )
         return feed
 

@@ -76,12 +76,14 @@ class Feed:
         on_join: Callable[[list[Pending], int], tuple[Any, Any]] = lambda items, n: (None, None),
         on_leave: Callable[[Any], None] = lambda handle: None,
         yield_when: Callable[[], bool] = lambda: False,
+        on_step: Callable[[], None] | None = None,
     ) -> None:
         self._deliver = deliver
         self._clock = clock
         self._on_join = on_join
         self._on_leave = on_leave
         self._yield_when = yield_when
+        self._on_step = on_step  # each take() is a step boundary of the worker's
         self.yielded = False  # took no more requests so that other work could run
         self.alive_at = clock()  # the worker's last sign of life (a check for requests)
         self.parked: Any = None  # the worker's state, when it gave the thread up mid-way
@@ -148,6 +150,8 @@ class Feed:
     def take(self, limit: int) -> list[tuple[int, Any]]:
         """Up to `limit` new requests as (key, payload), oldest first; never blocks."""
         self.alive_at = self._clock()
+        if self._on_step is not None:
+            self._on_step()
         # The first take always goes ahead, so a stream serves its first requests even
         # when it gives way at once.
         if self.offered > len(self._inbox) and not self.yielded and self._yield_when():

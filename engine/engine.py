@@ -4,7 +4,9 @@ An engine loads each model on its device, warms it up and batches its requests: 
 `Batcher` per model, whose batches run on the device's compute thread. On a CPU all
 models share one compute thread (torch's OpenMP teams would otherwise spin against
 each other on the same cores); on a GPU each model has its own, so a long image batch
-does not hold up formulas queued for the same card.
+does not hold up formulas queued for the same card, and the engine's sharing policy
+(`engine.sharing`) puts each thread's work on a CUDA stream of its own, the formulas'
+at a higher priority. Each model's device time is measured (`DeviceMeter`).
 
 On a GPU the engine runs in a process of its own (`engine.process`), and HTTP processes
 reach it through `RemoteEngine`; on a CPU it can run inside the HTTP process
@@ -24,9 +26,10 @@ from typing import Any
 import torch
 
 from batching import Batcher, BatchPolicy, BatchResult, ComputeThread, Draining, Worker
+from engine import sharing
 from engine.errors import NotReady, UnknownModel
-from models.base import Model
-from models.devices import make_current
+from engine.sharing import DEFAULT_SHARING, CudaApi, DeviceMeter, Lane, Sharing, TorchCuda
+from models.base import DeviceRunner, Model
 from telemetry import BatchTelemetry, metrics
 
 log = logging.getLogger(__name__)
@@ -68,12 +71,21 @@ class _Served:
 
 
 class Engine:
-    """Serves the `plans` on `device`. `start()` loads in the background; requests
-    for a model not yet ready are refused with `NotReady`."""
+    """Serves the `plans` on `device`, its models sharing a GPU by the `sharing` policy
+    (`engine.sharing`; `cuda` is where its CUDA calls go). `start()` loads in the
+    background; requests for a model not yet ready are refused with `NotReady`."""
 
-    def __init__(self, device: torch.device, plans: list[ModelPlan]) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        plans: list[ModelPlan],
+        sharing: Sharing = DEFAULT_SHARING,
+        cuda: CudaApi | None = None,
+    ) -> None:
         self.device = device
         self.name = str(device)
+        self.sharing = sharing
+        self._cuda = cuda or TorchCuda()
         self._served = {plan.key: _Served(plan) for plan in plans}
         self._threads: dict[str, ThreadPoolExecutor] = {}
         self._loader: asyncio.Task | None = None
@@ -93,10 +105,11 @@ class Engine:
     async def _load(self, served: _Served) -> None:
         plan = served.plan
         started = time.perf_counter()
-        thread = self._compute_thread(plan.key)
         loop = asyncio.get_running_loop()
         try:
             model = plan.build()
+            lane = sharing.lane(self.sharing, self.device, model.latency_sensitive, self._cuda)
+            thread = self._compute_thread(plan.key, lane)
             # On the compute thread: on a CPU, torch's OpenMP team belongs to the first
             # thread that computes, and loading computes (fp16 weights become fp32).
             await loop.run_in_executor(thread, model.open)
@@ -114,9 +127,14 @@ class Engine:
             max_queue=plan.max_queue,
             merge_buckets=model.merge_buckets,
         )
-        worker = Worker(self.name, runner.run, thread, stream=runner.stream)
+        meter = DeviceMeter(model.name, self.device, self._cuda)
+        worker = metered_worker(self.name, runner, thread, meter)
         observer = BatchTelemetry(
-            model.name, model.operation, padding_efficiency=model.padding_efficiency
+            model.name,
+            model.operation,
+            padding_efficiency=model.padding_efficiency,
+            device_s=meter.seconds,
+            attributes={} if lane.stream == "cpu" else {"texel.device.stream": lane.stream},
         )
         served.model = model
         served.batcher = Batcher(plan.key, [worker], policy, observer=observer)
@@ -131,13 +149,15 @@ class Engine:
             time.perf_counter() - started,
         )
 
-    def _compute_thread(self, key: str) -> ThreadPoolExecutor:
+    def _compute_thread(self, key: str, lane: Lane) -> ThreadPoolExecutor:
+        """The thread that runs model `key`'s work: the CPU's one, or on a GPU a thread of
+        the model's own whose work queues on its lane."""
         thread_key = self.name if self.device.type == "cpu" else f"{key}-{self.name}"
         if thread_key not in self._threads:
             self._threads[thread_key] = ComputeThread(
                 thread_name_prefix=f"texel-compute-{thread_key}",
-                initializer=make_current,
-                initargs=(self.device,),
+                initializer=sharing.enter,
+                initargs=(self.device, lane, self._cuda),
             )
         return self._threads[thread_key]
 
@@ -216,3 +236,25 @@ class Engine:
         if served is None:
             raise UnknownModel(f"the {key} model is not served on {self.name}")
         return served
+
+
+def metered_worker(
+    name: str, runner: DeviceRunner, thread: ThreadPoolExecutor, meter: DeviceMeter
+) -> Worker:
+    """The batcher's worker for `runner`, its device time measured by `meter`: each batch
+    whole, a stream at each step boundary."""
+
+    def run(payloads, should_stop):
+        with meter.timed():
+            return runner.run(payloads, should_stop)
+
+    stream = None
+    if runner.stream is not None:
+
+        def stream(feed) -> None:
+            try:
+                runner.stream(feed)
+            finally:
+                meter.stop(wait=True)
+
+    return Worker(name, run, thread, stream=stream, on_step=meter.lap)

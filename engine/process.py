@@ -23,6 +23,7 @@ import torch
 
 from engine import protocol
 from engine.engine import Engine, ModelPlan
+from engine.sharing import DEFAULT_SHARING, Sharing
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,7 @@ def run_engine(
     log_format: str,
     log_level: str,
     drain_timeout_s: float,
+    sharing: Sharing = DEFAULT_SHARING,
 ) -> None:
     """The entry of an engine process."""
     from telemetry import setup_logging, setup_tracing, shutdown_tracing
@@ -148,7 +150,7 @@ def run_engine(
     setup_logging(log_format, log_level)
     setup_tracing(max_batch_size=max((plan.max_batch_size for plan in plans), default=1))
     try:
-        asyncio.run(_serve(torch.device(device), plans, path, drain_timeout_s))
+        asyncio.run(_serve(torch.device(device), plans, path, drain_timeout_s, sharing))
     finally:
         shutdown_tracing()
 
@@ -159,10 +161,12 @@ def run_engine(
 GPU_SWITCH_INTERVAL_S = 0.0005
 
 
-async def _serve(device: torch.device, plans: list[ModelPlan], path: str, drain_s: float):
+async def _serve(
+    device: torch.device, plans: list[ModelPlan], path: str, drain_s: float, sharing: Sharing
+):
     if device.type == "cuda":
         sys.setswitchinterval(GPU_SWITCH_INTERVAL_S)
-    engine = Engine(device, plans)
+    engine = Engine(device, plans, sharing)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)

@@ -59,6 +59,9 @@ class Model(ABC):
     operation: ClassVar[str] = "generate_content"  # gen_ai.operation.name of its spans
     payload_type: ClassVar[type]
     output_type: ClassVar[type]
+    # Requests that are short and waited for (formulas): on a GPU shared with other
+    # models its work goes first (`engine.sharing`).
+    latency_sensitive: ClassVar[bool] = False
 
     def __init__(self, source: str, name: str) -> None:
         self.source = source

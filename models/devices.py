@@ -35,14 +35,11 @@ def resolve_devices(setting: str) -> list[torch.device]:
     raise ValueError(f"unknown device {setting!r}; use auto, cpu, cuda or cuda:N")
 
 
-def make_current(device: torch.device) -> None:
-    """Make a GPU the calling thread's current device (a no-op for the CPU).
-
-    Each thread starts on cuda:0. A worker for another GPU sets its own, so that the
-    streams, CUDA graphs and allocations it makes without naming a device are on it.
-    """
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """A new CUDA stream for work beside the calling thread's current stream, at that
+    stream's priority: the engine may have put this model's work on a high-priority
+    stream (`engine.sharing`), and its side work must not fall behind other models'."""
+    return torch.cuda.Stream(device, priority=torch.cuda.current_stream(device).priority)
 
 
 def resolve_dtype(

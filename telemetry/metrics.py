@@ -178,6 +178,14 @@ LOOP_USED = Gauge(
     registry=REGISTRY,
     multiprocess_mode="livesum",
 )
+DEVICE_SECONDS = Counter(
+    "texel_device_seconds",
+    "Device time of each model's batches and stream steps, by device: on a GPU from CUDA "
+    "events on the model's stream, so the work of two models that overlaps counts for "
+    "both; wall time on a CPU.",
+    ["model", "device"],
+    registry=REGISTRY,
+)
 MODEL_READY = Gauge(
     "texel_model_ready",
     "1 once a model is loaded and warmed up (in at least one engine).",

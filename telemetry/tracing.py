@@ -185,7 +185,11 @@ class RequestTrace:
 class BatchTelemetry:
     """The batcher's observer: a `batch` span linking its members, plus batch metrics.
 
-    `padding_efficiency` maps a batch's payloads to real/padded elements.
+    `padding_efficiency` maps a batch's payloads to real/padded elements. `device_s`
+    reads the model's device time so far on this device (`engine.sharing.DeviceMeter`):
+    each batch span gets the device time spent while it ran, `texel.device.seconds`
+    (for requests that joined a running stream, shared with every row beside them), and
+    `attributes` say where its work queued (`texel.device.stream`).
     """
 
     def __init__(
@@ -193,29 +197,46 @@ class BatchTelemetry:
         model: str,
         operation: str,
         padding_efficiency: Callable[[list[Any]], float | None] | None = None,
+        device_s: Callable[[], float] | None = None,
+        attributes: dict[str, Any] | None = None,
     ) -> None:
         self.model = model
         self.operation = operation
         self._padding_efficiency = padding_efficiency
+        self._device_s = device_s
+        self._extra = attributes or {}
 
     @contextlib.contextmanager
     def batch(self, batcher: str, worker: str, bucket: Hashable, items: list[Any]):
         span = self._start(worker, bucket, items, len(items))
+        before = self._device_seconds()
         with trace.use_span(span, end_on_exit=True):
-            yield span.get_span_context()
+            try:
+                yield span.get_span_context()
+            finally:
+                self._set_device_seconds(span, before)
 
     def join(
         self, batcher: str, worker: str, bucket: Hashable, items: list[Any], running: int
-    ) -> tuple[Span, SpanContext]:
+    ) -> tuple[tuple[Span, float | None], SpanContext]:
         """Requests joined a running decode (continuous batching): a batch span of their
         own, `texel.batch.size` the rows decoding together once they joined; it ends when
         the last of them has its answer (`leave`)."""
         span = self._start(worker, bucket, items, running, joined=len(items))
-        return span, span.get_span_context()
+        return (span, self._device_seconds()), span.get_span_context()
 
-    def leave(self, handle: Span | None) -> None:
+    def leave(self, handle: tuple[Span, float | None] | None) -> None:
         if handle is not None:
-            handle.end()
+            span, before = handle
+            self._set_device_seconds(span, before)
+            span.end()
+
+    def _device_seconds(self) -> float | None:
+        return None if self._device_s is None else self._device_s()
+
+    def _set_device_seconds(self, span: Span, before: float | None) -> None:
+        if before is not None:
+            span.set_attribute("texel.device.seconds", round(self._device_s() - before, 6))
 
     def _start(
         self, worker: str, bucket: Hashable, items: list[Any], size: int, joined: int | None = None
@@ -233,6 +254,7 @@ class BatchTelemetry:
             "texel.batch.size": size,
             "texel.batch.bucket": str(bucket),
             "texel.device": worker,
+            **self._extra,
         }
         if joined is not None:
             attributes["texel.batch.joined"] = joined

@@ -1,5 +1,5 @@
 """Which thread computes: an engine's models share one compute thread on a CPU (loading
-included), and have one each on a GPU, whose thread makes that GPU current."""
+included); on a GPU they have one each (tests/test_gpu_sharing.py)."""
 
 from __future__ import annotations
 
@@ -78,28 +78,6 @@ async def test_a_cpu_engine_loads_warms_up_and_runs_every_model_on_one_thread():
     idents = {ident for _, ident in threads}
     assert len(idents) == 1, "one compute thread for the CPU"
     assert threading.get_ident() not in idents, "none of it on the event loop's thread"
-
-
-async def test_a_gpu_engine_gives_each_model_a_thread_that_makes_its_gpu_current(monkeypatch):
-    """A model on cuda:1 must not capture graphs or open streams on cuda:0, every
-    thread's starting device (no GPU here: set_device is recorded, not called)."""
-    current: list[tuple[torch.device, int]] = []
-    monkeypatch.setattr(
-        torch.cuda, "set_device", lambda d: current.append((d, threading.get_ident()))
-    )
-    gpu1 = torch.device("cuda", 1)
-    threads: list[tuple[str, int]] = []
-    engine = Engine(gpu1, [plan(Recorder("formula", threads)), plan(Recorder("image", threads))])
-    await engine.start()
-    try:
-        for key in ("formula", "image"):
-            assert (await engine.submit(key, "x", timeout_s=5)).value == "x"
-    finally:
-        await engine.close()
-    formula = {ident for step, ident in threads if step.startswith("formula.")}
-    image = {ident for step, ident in threads if step.startswith("image.")}
-    assert len(formula) == len(image) == 1 and formula != image, "a thread per model"
-    assert sorted(current, key=str) == sorted([(gpu1, *formula), (gpu1, *image)], key=str)
 
 
 async def test_a_stream_on_a_cpu_gives_way_to_another_models_batch():

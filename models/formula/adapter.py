@@ -30,7 +30,12 @@ from transformers.utils import logging as transformers_logging
 
 from batching.errors import Cancelled
 from models.base import DeviceRunner, Model, Stage
-from models.devices import model_name, out_of_memory_as_batching_error, resolve_dtype
+from models.devices import (
+    model_name,
+    out_of_memory_as_batching_error,
+    resolve_dtype,
+    side_stream,
+)
 from models.formula.fast_decode import StaticGreedyDecoder
 from models.formula.preprocess import (
     FormulaImageSpec,
@@ -99,6 +104,7 @@ class FormulaRecognizer(Model):
     key = "formula"
     payload_type = FormulaInput
     output_type = FormulaTokens
+    latency_sensitive = True
     # Whether a stream queues the next run before harvesting the last (None: on CUDA,
     # where the device runs asynchronously; on a CPU it only delays the harvest).
     stream_ahead: bool | None = None
@@ -485,7 +491,7 @@ class _PinnedBuffers:
         self._buffers = [
             torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(count)
         ]
-        self.stream = torch.cuda.Stream(device)
+        self.stream = side_stream(device)
         self._copied: list[torch.cuda.Event | None] = [None] * count
         self._turn = 0
 

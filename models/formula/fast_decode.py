@@ -84,6 +84,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from models.devices import side_stream
+
 logger = logging.getLogger(__name__)
 
 # Steps between two host synchronizations (early-exit checks).
@@ -494,7 +496,7 @@ class StaticGreedyDecoder:
     def _lane(self, shape: tuple[int, ...]) -> _Lane:
         if shape not in self._lanes:
             self._lanes[shape] = _Lane(
-                torch.cuda.Stream(self.device),
+                side_stream(self.device),
                 torch.zeros((self.max_batch_size, *shape), device=self.device, dtype=self.dtype),
             )
         return self._lanes[shape]
