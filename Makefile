@@ -64,8 +64,10 @@ clean:
 # The default models. Training needs a GPU (see training/*/NOTES.md for the runs behind
 # the shipped weights); evaluation runs anywhere.
 eval-formula: install
+	$(VENV)/bin/pip install --quiet -e ".[dev,train]"  # matplotlib, for mathtext styles
 	$(PY) -m training.formula.evaluate --data $(DATA)/im2latex-val --model models/formula/default --served --dtype auto --latency --by-length
 	$(PY) -m training.formula.evaluate --data $(DATA)/im2latex-val --model models/formula/default --served --dtype auto --variants --limit 120
+	$(PY) -m training.formula.evaluate --school $(DATA)/k12-formulas --model models/formula/default --dtype auto
 
 eval-image: install
 	$(PY) -m training.image.evaluate --model models/image/default

@@ -13,6 +13,16 @@ never counts. Prints a markdown table.
 scores the same formulas once per picture variant (`VARIANTS`: sizes, JPEG, dark
 mode, colours, margins, rotation, contrast), each variant's bytes going through
 the server's adapter as an upload would, with the preprocessing time per image.
+
+    python -m training.formula.evaluate --school ../shared/data/k12-formulas --threads 2
+
+scores school maths in styles the model never trained on (`SCHOOL_STYLES`): the first
+300 formulas of the school dev split (`school.split_formulas`) drawn as typed by LaTeX
+in the fonts training never renders (`latex_render.EVAL_FONTS`; left out, with a
+message, where `latex` is not installed) and by matplotlib's mathtext, each at an em of
+15 and 30 px, dark ink on white, and read through the server's adapter; references and
+answers are compared in `school.normalize`'s style. One row per style and size, and
+one for all pictures together.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from PIL import Image, ImageOps
 
 from models.devices import resolve_dtype
 from models.formula.preprocess import FormulaImageSpec, FormulaPreprocessor
+from training.formula import latex_render, school
 from training.formula.data import (
     BUCKET_STEP,
     load_strip,
@@ -301,6 +312,179 @@ def variants_table(
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class SchoolStyle:
+    """One way of drawing the school evaluation's formulas: a renderer, its font, a size."""
+
+    renderer: str  # "latex" (a font setup of latex_render.FONTS) or "mathtext"
+    font: str  # the LaTeX font setup, or mathtext's math_fontfamily
+    em_px: int  # the em (10pt) in pixels of the final picture
+
+    @property
+    def name(self) -> str:
+        return f"{self.renderer} {self.font}"
+
+
+SCHOOL_LIMIT = 300
+SCHOOL_EMS = (15, 30)
+SCHOOL_STYLES = tuple(
+    SchoolStyle(renderer, font, em)
+    for renderer, fonts in (("latex", latex_render.EVAL_FONTS), ("mathtext", ("cm", "dejavusans")))
+    for font in fonts
+    for em in SCHOOL_EMS
+)
+# The margin around the ink, in pixels of the final picture, drawn per formula.
+SCHOOL_MARGINS = (4, 6, 8, 12, 16)
+SCHOOL_SEED = 0
+
+
+def have_latex() -> bool:
+    """Whether `latex` and `dvipng` are installed (the LaTeX styles need both)."""
+    import shutil
+
+    return shutil.which("latex") is not None and shutil.which("dvipng") is not None
+
+
+def have_matplotlib() -> bool:
+    """Whether matplotlib is installed (the mathtext styles need it: the `train` extra)."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _with_margin(ink: Image.Image, margin: int) -> bytes:
+    """A PNG of a grayscale picture (ink dark, white paper) cropped to its ink and given
+    `margin` px of paper each side; empty bytes for a picture without ink."""
+    pixels = np.asarray(ink)
+    rows, cols = (
+        np.nonzero((pixels < 255).any(axis=1))[0],
+        np.nonzero((pixels < 255).any(axis=0))[0],
+    )
+    if rows.size == 0:
+        return b""
+    crop = ink.crop((int(cols[0]), int(rows[0]), int(cols[-1]) + 1, int(rows[-1]) + 1))
+    canvas = Image.new("L", (crop.width + 2 * margin, crop.height + 2 * margin), 255)
+    canvas.paste(crop, (margin, margin))
+    return _png(canvas)
+
+
+def _mathtext_picture(source: str, font: str, em_px: int) -> Image.Image | None:
+    """`source` drawn by mathtext in math font family `font`, an em of `em_px`; None when
+    mathtext cannot parse it."""
+    import logging
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.font_manager import FontProperties
+    from matplotlib.mathtext import MathTextParser
+
+    logging.getLogger("matplotlib").setLevel(logging.ERROR)
+    prop = FontProperties(size=10, math_fontfamily=font)
+    try:  # mathtext raises ValueError and assorted parse errors
+        raster = MathTextParser("agg").parse(f"${source}$", dpi=em_px * 7.2, prop=prop)
+    except Exception:
+        return None
+    ink = np.asarray(raster.image)
+    if ink.size == 0 or ink.max() == 0:
+        return None
+    return Image.fromarray(255 - ink)
+
+
+def school_pictures(
+    sources: Sequence[str], style: SchoolStyle, seed: int = SCHOOL_SEED
+) -> list[bytes | None]:
+    """PNGs of formulas (as typed) in `style`, each with a margin drawn from `seed`; None
+    where the renderer cannot draw one (a LaTeX error, a mathtext parse error)."""
+    rng = np.random.default_rng(seed)
+    margins = [int(m) for m in rng.choice(SCHOOL_MARGINS, len(sources))]
+    if style.renderer == "latex":
+        # 10pt at this resolution, then latex_render's downsampling by 2, is an em of em_px.
+        dpi = round(style.em_px * latex_render.DOWNSAMPLE * 72.27 / 10)
+        pages = latex_render.render_pages(sources, [dpi] * len(sources), style.font)
+        pictures = [
+            latex_render.screen_image(page, 0, stroke=0) if page is not None else None
+            for page in pages
+        ]
+    else:
+        pictures = [_mathtext_picture(source, style.font, style.em_px) for source in sources]
+    out: list[bytes | None] = []
+    for picture, margin in zip(pictures, margins, strict=True):
+        png = _with_margin(picture, margin) if picture is not None else b""
+        out.append(png or None)
+    return out
+
+
+def school_table(
+    rows: Sequence[tuple[SchoolStyle, Sequence[str], Sequence[str]]], asked: int
+) -> str:
+    """A markdown table of (style, references, answers) rows, compared in `school.normalize`'s
+    style, and of all of them together; `asked` is how many formulas each style was given."""
+    lines = [
+        "| style | em | drawn | BLEU-4 | edit distance | exact |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    every_ref: list[str] = []
+    every_hyp: list[str] = []
+
+    def line(name: str, em: str, refs: Sequence[str], hyps: Sequence[str], of: int) -> str:
+        s = score([school.normalize(r) for r in refs], [school.normalize(h) for h in hyps])
+        return (
+            f"| {name} | {em} | {s.count}/{of} | {s.bleu4:.3f} | {s.edit_distance:.3f} "
+            f"| {s.exact_match:.1%} |"
+        )
+
+    for style, refs, hyps in rows:
+        lines.append(line(style.name, f"{style.em_px} px", refs, hyps, asked))
+        every_ref += refs
+        every_hyp += hyps
+    lines.append(line("all", "", every_ref, every_hyp, asked * len(rows)))
+    return "\n".join(lines)
+
+
+def school_dev(data_dir: str | Path, limit: int = SCHOOL_LIMIT) -> list[tuple[str, str]]:
+    """(normalized formula, as typed) of the first `limit` school dev formulas, file order."""
+    _, dev = school.split_formulas(school.read_formulas(data_dir))
+    sources = latex_render.school_sources(data_dir)
+    return [(formula, sources[formula]) for formula in dev[:limit]]
+
+
+def school_evaluation(
+    recognizer,
+    run,
+    preprocessor: FormulaPreprocessor,
+    data_dir: str | Path,
+    batch_size: int,
+    limit: int = SCHOOL_LIMIT,
+    styles: Sequence[SchoolStyle] = SCHOOL_STYLES,
+    seed: int = SCHOOL_SEED,
+) -> str:
+    """The school evaluation's table (see `school_table`) for a loaded recognizer; the
+    styles of a renderer that is not installed are left out, with a line saying so."""
+    formulas = school_dev(data_dir, limit)
+    skipped = {}
+    if not have_latex():
+        skipped["latex"] = (
+            "LaTeX styles skipped: `latex` and `dvipng` are not installed "
+            "(apt-get install texlive-latex-extra texlive-fonts-extra dvipng)."
+        )
+    if not have_matplotlib():
+        skipped["mathtext"] = (
+            "mathtext styles skipped: matplotlib is not installed (pip install -e '.[train]')."
+        )
+    notes = [
+        note for renderer, note in skipped.items() if any(s.renderer == renderer for s in styles)
+    ]
+    styles = [style for style in styles if style.renderer not in skipped]
+    rows = []
+    for style in styles:
+        pictures = school_pictures([source for _, source in formulas], style, seed)
+        drawn = [(f, p) for (f, _), p in zip(formulas, pictures, strict=True) if p is not None]
+        hypotheses, _ = transcribe(recognizer, run, preprocessor, [p for _, p in drawn], batch_size)
+        rows.append((style, [f for f, _ in drawn], hypotheses))
+    return "\n".join([*notes, school_table(rows, len(formulas))])
+
+
 @torch.inference_mode()
 def single_latency_ms(
     model, spec: FormulaImageSpec, strip: np.ndarray, repeats: int = 10
@@ -416,9 +600,33 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="with --variants: preprocess without bringing pictures to the training scale "
         "(the spec's stroke_width unset), to measure that step",
     )
+    parser.add_argument(
+        "--school",
+        default="",
+        help="score school maths in unseen styles instead: the k12-formulas folder "
+        f"(the first --limit dev formulas, default {SCHOOL_LIMIT})",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=SCHOOL_SEED, help="with --school: draws the margins"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.school:
+        recognizer, run = served_runner(
+            args.model, args.device, args.dtype, args.batch_size, args.bucket_width
+        )
+        table = school_evaluation(
+            recognizer,
+            run,
+            recognizer.preprocessor,
+            args.school,
+            args.batch_size,
+            args.limit or SCHOOL_LIMIT,
+            seed=args.seed,
+        )
+        print(table)
+        return
 
     samples = read_formulas(args.data)
     train, dev = split_samples(samples)
