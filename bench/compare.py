@@ -3,12 +3,14 @@
     python -m bench.compare --concurrency 1,8,32,128,256 --duration 20
 
 Servers, in one run: `texel` (as shipped, with `--max-batch-size`), `texel-nobatch`
-(`MAX_BATCH_SIZE=1`), `litserve` (LitServe batching over Texel's own adapter) and
-`model-only` (preprocessed batches straight into the model, no server: the
-ceiling). Every HTTP server gets the same JSON `image_base64` requests from the
-same closed-loop client. Records go to `bench/results/<machine>.jsonl`, one per
-(server, concurrency), naming the GPU, the command and the commit; a markdown
-table is printed last.
+(`MAX_BATCH_SIZE=1`), `litserve` (LitServe batching over Texel's own adapter),
+`model-only` (preprocessed batches straight into the model, one after the other, no
+server) and `engine-only` (Texel's own engine in this process, its continuous decoder
+fed preprocessed inputs from memory by closed-loop callers at each concurrency, no HTTP:
+what the model can do on this device as Texel batches it). Every HTTP server gets the
+same JSON `image_base64` requests from the same closed-loop client. Records go to
+`bench/results/<machine>.jsonl`, one per (server, concurrency), naming the GPU, the
+command and the commit; a markdown table is printed last.
 """
 
 from __future__ import annotations
@@ -249,6 +251,84 @@ def model_only(
     return out
 
 
+def engine_only(args, images: list[bytes]) -> list[dict]:
+    """Texel's engine for the formula model alone, built from the settings as a server
+    builds it (with `--max-batch-size`), in this process as an engine process runs it (the
+    same switch interval, its objects frozen for the collector): `concurrency` callers
+    submit preprocessed inputs from memory, each the next as soon as its last returns, for
+    `--duration` s after `--warmup` s, at each concurrency."""
+    import gc
+
+    from app.launcher import model_plans
+    from app.settings import Settings
+    from engine import Engine
+    from engine.process import GPU_SWITCH_INTERVAL_S
+    from models.devices import resolve_devices
+
+    device = resolve_devices("auto")[0]
+    settings = Settings(
+        formula={
+            "model": args.model,
+            "max_batch_size": args.max_batch_size,
+            "max_wait_ms": args.max_wait_ms,
+            "max_queue": 4 * max(args.concurrency),
+        },
+        image={"enabled": False},
+    )
+    if device.type == "cuda":
+        sys.setswitchinterval(GPU_SWITCH_INTERVAL_S)
+
+    async def closed(engine: Engine, inputs: list, concurrency: int, seconds: float):
+        result = LoadResult("closed", concurrency, seconds)
+        counter = iter(range(10**9))
+
+        async def caller(until: float) -> None:
+            while time.perf_counter() < until:
+                i = next(counter)
+                started = time.perf_counter()
+                try:
+                    answer = await engine.submit(
+                        "formula", inputs[i % len(inputs)], settings.request_timeout_s
+                    )
+                except Exception as exc:
+                    result.statuses[type(exc).__name__] += 1
+                    continue
+                result.latencies_s.append(time.perf_counter() - started)
+                result.statuses[200] += 1
+                result.batch_sizes.append(answer.batch_size)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(caller(started + seconds) for _ in range(concurrency)))
+        result.duration_s = time.perf_counter() - started
+        return result
+
+    async def measure() -> list[dict]:
+        engine = Engine(device, model_plans(settings, [device]), settings.advanced.gpu_sharing)
+        await engine.start()
+        try:
+            if engine.states()["formula"].state != "ready":
+                raise SystemExit(f"engine-only: {engine.states()['formula']}")
+            model = engine.model("formula")
+            inputs = [model.preprocess(image) for image in images]
+            gc.collect()
+            gc.freeze()
+            out = []
+            for concurrency in args.concurrency:
+                await closed(engine, inputs, concurrency, args.warmup)
+                result = await closed(engine, inputs, concurrency, args.duration)
+                mean_batch = result.summary()["mean_batch_size"]
+                out.append(
+                    record(
+                        args, "engine-only", concurrency, result, server_mean_batch_size=mean_batch
+                    )
+                )
+            return out
+        finally:
+            await engine.close()
+
+    return asyncio.run(measure())
+
+
 def record(args, server: str, concurrency, result: LoadResult | None, **extra) -> dict:
     base = {
         "scenario": "formula",
@@ -346,6 +426,8 @@ def run(args) -> list[dict]:
                     records.append({**r, "api_servers": api_servers})
             finally:
                 lit.stop()
+        elif server == "engine-only":
+            records += engine_only(args, images)
         elif server == "model-only":
             sizes = sorted({1, *args.concurrency, args.max_batch_size})
             results = model_only(
