@@ -174,8 +174,10 @@ def run(args) -> list[dict]:
         "command": "python -m bench.mixed " + " ".join(sys.argv[1:]),
         "image_model": f"{args.size} (random weights), {args.steps} steps",
         "max_batch_size": {"formula": args.max_batch_size, "image": args.image_batch_size},
-        "client_processes": {"formula": args.client_processes,
-                             "image": args.image_client_processes},  # fmt: skip
+        "client_processes": {
+            "formula": args.client_processes,
+            "image": args.image_client_processes,
+        },
     }
     records: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="texel-sd-") as tmp:
