@@ -12,8 +12,8 @@ load `F+I` runs F closed-loop formula clients (real im2latex images, split over
 same time, for `--duration` s after `--warmup` s. Each load's record gives both sides'
 throughput and latency, each model's device time from Texel's /metrics
 (`texel_device_seconds_total`), and against the loads with one model alone (of this run,
-else the latest of the same commit and sharing in the results file) each side's share
-of its alone throughput and their sum. Records are appended to `--out`
+else the latest of the same commit in the results file, of the same sharing where it
+has them) each side's share of its alone throughput and their sum. Records are appended to `--out`
 (`bench/results/<gpu>.jsonl` by default) as each load is measured; a table is printed
 last.
 """
@@ -112,10 +112,10 @@ def side_summary(result: LoadResult | None) -> dict | None:
     return {k: s[k] for k in kept}
 
 
-def alone_figures(records: list[dict], out: Path, sharing: str) -> dict[str, float]:
-    """Each side's throughput alone: from this run's records, else the latest record of
-    the same commit, GPU and sharing in `out`."""
-    found: dict[str, float] = {}
+def alone_figures(records: list[dict], out: Path, sharing: str) -> tuple[dict[str, float], str]:
+    """Each side's throughput alone, and the sharing it was measured with: from this
+    run's records, else the latest records of the same commit and GPU in `out`, of the
+    same sharing where there are any (one model alone does not share the GPU)."""
     earlier = []
     if out.exists():
         for line in out.read_text().splitlines():
@@ -123,27 +123,35 @@ def alone_figures(records: list[dict], out: Path, sharing: str) -> dict[str, flo
                 earlier.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
+    by_sharing: dict[str, dict[str, float]] = {}
     for r in [*earlier, *records]:  # later ones win
         if r.get("scenario") != "mixed" or r.get("commit") != commit():
             continue
-        if r.get("gpu") != gpu_name() or r.get("sharing") != sharing:
+        if r.get("gpu") != gpu_name():
             continue
         clients = {"formula": r["formula_clients"], "image": r["image_clients"]}
         for side, other in (("formula", "image"), ("image", "formula")):
             if clients[side] and not clients[other] and r.get(side):
-                found[side] = r[side]["throughput_rps"]
-    return found
+                by_sharing.setdefault(r["sharing"], {})[side] = r[side]["throughput_rps"]
+    if sharing in by_sharing and len(by_sharing[sharing]) == 2:
+        return by_sharing[sharing], sharing
+    complete = [name for name, found in by_sharing.items() if len(found) == 2]
+    if complete:
+        return by_sharing[complete[-1]], complete[-1]
+    return by_sharing.get(sharing, {}), sharing
 
 
-def with_shares(record: dict, alone: dict[str, float]) -> dict:
-    """The record with each side's share of its alone throughput, and their sum."""
+def with_shares(record: dict, alone: tuple[dict[str, float], str]) -> dict:
+    """The record with each side's share of its alone throughput, their sum, and which
+    sharing the alone figures were measured with."""
+    alone, alone_sharing = alone
     share = {}
     for side in SIDES:
         if record.get(side) and alone.get(side):
             share[side] = round(record[side]["throughput_rps"] / alone[side], 3)
     if len(share) == 2:
         share["sum"] = round(share["formula"] + share["image"], 3)
-    return {**record, "share_of_alone": share or None}
+    return {**record, "share_of_alone": share or None, "alone_sharing": alone_sharing}
 
 
 def served_env(args, image_model: Path) -> dict[str, str]:

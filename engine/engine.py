@@ -142,11 +142,12 @@ class Engine:
         served.state = ModelState("ready", description=description)
         metrics.MODEL_READY.labels(model.name).set(1)
         log.info(
-            "%s model %s ready on %s in %.1f s",
+            "%s model %s ready on %s in %.1f s (its work on the %s stream)",
             plan.key,
             model.name,
             self.name,
             time.perf_counter() - started,
+            lane.stream,
         )
 
     def _compute_thread(self, key: str, lane: Lane) -> ThreadPoolExecutor:
