@@ -9,9 +9,10 @@
 #   2. the same with the sharing off (every model on the default stream, as before), at
 #      128+8 and 16+8 (its shares of the alone figures come from step 1);
 #   3. bench.compare engine-only: the engine's continuous decoder fed preprocessed images
-#      from memory, no HTTP, 128, 256 and 512 in flight, batches of at most 128;
+#      from memory, no HTTP, 128, 256 and 512 in flight, batches of at most 128, 10 s each
+#      after 2 s of warm-up (as every served formula figure before);
 #   4. bench.compare texel: formulas served (shipped plan, batches of at most 128) at 128
-#      and 256;
+#      and 256, client processes and durations as in 3;
 #   5. with time left, bench.mixed with the sharing `streams` at 128+8.
 # Each step's output goes to $OUT/NN-name.log (with the server log's tail when it fails),
 # records to $OUT/h200-mixed.jsonl and $OUT/h200-engine.jsonl as each level is measured;
@@ -59,7 +60,7 @@ step() {
 MIXED="python3 -m bench.mixed --data /tmp/b --model-dir /tmp/sd15 --size sd15 --steps 20
     --max-batch-size 128 --image-batch-size 8 --client-processes 4 --image-client-processes 1
     --duration 20 --warmup 3 --out $OUT/h200-mixed.jsonl"
-FORMULAS="python3 -m bench.compare --data /tmp/b --max-batch-size 128 --duration 15 --warmup 3
+FORMULAS="python3 -m bench.compare --data /tmp/b --max-batch-size 128 --duration 10 --warmup 2
     --client-processes 4 --out $OUT/h200-engine.jsonl"
 export TEXEL_REQUEST_TIMEOUT_S=300
 
