@@ -324,6 +324,7 @@ def engine_only(args, images: list[bytes]) -> list[dict]:
                 )
             return out
         finally:
+            gc.unfreeze()
             await engine.close()
 
     return asyncio.run(measure())
