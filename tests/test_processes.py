@@ -245,6 +245,20 @@ def test_requests_answered_by_either_process_add_up_in_metrics(shared):
     assert [recognized(shared) - before for _ in range(4)] == [12] * 4
 
 
+def test_the_engine_processs_device_time_reaches_either_http_processs_metrics(shared):
+    def device_s() -> float:
+        return shared.metric("texel_device_seconds_total", device="cpu")
+
+    before = device_s()
+    files = [{"image": ("f.png", formula_png(f"d^{i}"), "image/png")} for i in range(3)]
+    for one in files:  # three pictures: none answered from a recognition cache
+        assert httpx.post(shared.url + "/recognize", files=one, timeout=60).status_code == 200
+    # New connections, so either process answers; both show the engine's one counter
+    # (once its stream's last step, credited just after the last answer, is in).
+    wait_for(lambda: len({device_s() for _ in range(4)}) == 1, timeout=10)
+    assert device_s() > before
+
+
 def test_bad_input_is_refused_alike_by_either_process(shared):
     before = shared.metric("texel_requests_rejected_total", reason="invalid")
     bad = [
