@@ -274,7 +274,7 @@ def main() -> None:
         default=parse_loads("128+0,0+8,128+8,16+8"),
         help="formula clients + image clients, comma-separated",
     )
-    parser.add_argument("--sharing", choices=("priority", "streams", "off"), default="priority")
+    parser.add_argument("--sharing", choices=("priority", "off"), default="priority")
     parser.add_argument("--max-batch-size", type=int, default=128, help="of formulas")
     parser.add_argument("--image-batch-size", type=int, default=8)
     parser.add_argument("--duration", type=float, default=20.0)

@@ -8,8 +8,9 @@ policy (`TEXEL_ADVANCED__GPU_SHARING`) says where each thread queues its work:
   highest priority, the others' at its lowest. The GPU runs both at once; whenever a
   kernel of the high-priority stream waits, its blocks take the next free room, so a
   formula's decoding steps run beside a long denoising step instead of behind it, and
-  the images get whatever the formulas leave.
-- `streams`: a stream of its own for every model, all at the same priority.
+  the images get whatever the formulas leave. (Equal priorities are not offered: torch
+  draws streams of one priority from a small pool, so a model's stream could be one the
+  other model's side work already uses.)
 - `off`: every model on the device's default stream, each kernel queued behind the
   other model's, and each wait for its own work a wait for the other's too.
 
@@ -35,7 +36,7 @@ import torch
 
 from telemetry import metrics
 
-Sharing = Literal["priority", "streams", "off"]
+Sharing = Literal["priority", "off"]
 DEFAULT_SHARING: Sharing = "priority"
 
 
@@ -82,7 +83,7 @@ class Lane:
     None the device's default stream (and on a CPU, the shared compute thread)."""
 
     priority: int | None
-    stream: str  # for spans: "high", "low", "own", "default" or "cpu"
+    stream: str  # for spans: "high", "low", "default" or "cpu"
 
 
 def lane(policy: Sharing, device: torch.device, latency_sensitive: bool, cuda: CudaApi) -> Lane:
@@ -91,11 +92,9 @@ def lane(policy: Sharing, device: torch.device, latency_sensitive: bool, cuda: C
         return Lane(None, "cpu")
     if policy == "off":
         return Lane(None, "default")
-    lowest, highest = cuda.priority_range()
-    if policy == "streams":
-        return Lane(lowest, "own")
     if policy != "priority":
-        raise ValueError(f"unknown GPU sharing policy {policy!r}; use priority, streams or off")
+        raise ValueError(f"unknown GPU sharing policy {policy!r}; use priority or off")
+    lowest, highest = cuda.priority_range()
     return Lane(highest, "high") if latency_sensitive else Lane(lowest, "low")
 
 

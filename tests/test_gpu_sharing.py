@@ -93,7 +93,6 @@ async def entered_by_model(device: torch.device, policy: str) -> dict[str, set]:
     ("policy", "formula", "image"),
     [
         ("priority", HIGHEST, LOWEST),  # the latency-sensitive model's work goes first
-        ("streams", LOWEST, LOWEST),  # a stream each, neither first
         ("off", None, None),  # both on the device's default stream
     ],
 )
@@ -123,7 +122,7 @@ async def test_a_gpu_engine_gives_each_model_a_thread_that_makes_its_gpu_current
 
 
 async def test_on_a_cpu_no_policy_touches_cuda():
-    for policy in ("priority", "streams", "off"):
+    for policy in ("priority", "off"):
         assert await entered_by_model(CPU, policy) == {"formula": {None}, "image": {None}}
 
 

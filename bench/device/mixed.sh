@@ -13,7 +13,6 @@
 #      after 2 s of warm-up (as every served formula figure before);
 #   4. bench.compare texel: formulas served (shipped plan, batches of at most 128) at 128
 #      and 256, client processes and durations as in 3;
-#   5. with time left, bench.mixed with the sharing `streams` at 128+8.
 # Each step's output goes to $OUT/NN-name.log (with the server log's tail when it fails),
 # records to $OUT/h200-mixed.jsonl and $OUT/h200-engine.jsonl as each level is measured;
 # a step that fails or runs out of time keeps what it measured and the next one runs. The
@@ -68,7 +67,6 @@ step 01-mixed-priority 280 120 $MIXED --sharing priority --loads 128+0,0+8,128+8
 step 02-mixed-off 160 100 $MIXED --sharing off --loads 128+8,16+8
 step 03-engine-only 120 60 $FORMULAS --servers engine-only --concurrency 128,256,512
 step 04-served 110 60 $FORMULAS --servers texel --concurrency 128,256
-step 05-mixed-streams 120 100 $MIXED --sharing streams --loads 128+8
 
 echo "=== all done at $(($(date +%s) - T0))s" >> $L
 set +x
