@@ -39,3 +39,50 @@ def test_a_grown_decoder_keeps_the_weights_and_dtype_and_trains(tmp_path) -> Non
         assert torch.isfinite(loss)
     assert top.fc2.weight.any(), "the new layer did not learn"
     assert grow_decoder(grown, layers) is grown  # never shrinks
+
+
+def test_a_vocabulary_extended_for_school_maths_keeps_every_saved_id() -> None:
+    from training.formula.train import extended_vocabulary, school_tokens
+
+    saved = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "x": 4, "\\frac": 5, "{": 6, "}": 7}
+    school = ["x \\geqslant 1", "\\geqslant x", "\\LambdaBEF x"]  # a glued typo, used once
+    tokens = school_tokens(school)
+
+    vocabulary = extended_vocabulary(saved, tokens | {"x", "{"})
+
+    assert vocabulary[: len(saved)] == sorted(saved, key=saved.__getitem__)
+    # "1" and the typo are each used by one formula only.
+    assert vocabulary[len(saved) :] == ["\\geqslant"]
+
+
+def test_a_resized_vocabulary_keeps_the_trained_rows_and_ties_the_output(tmp_path) -> None:
+    from transformers import VisionEncoderDecoderModel
+
+    from training.formula.train import resize_vocabulary
+    from training.tiny import build_tiny_formula_model
+
+    model = VisionEncoderDecoderModel.from_pretrained(build_tiny_formula_model(tmp_path / "m"))
+    size = model.config.decoder.vocab_size
+    before = model.decoder.get_input_embeddings().weight.detach().clone()
+
+    grown = resize_vocabulary(model, size + 5)
+
+    embeddings = grown.decoder.get_input_embeddings().weight
+    assert grown.config.decoder.vocab_size == size + 5 and embeddings.shape[0] == size + 5
+    assert torch.equal(embeddings[:size], before)
+    assert grown.decoder.get_output_embeddings().weight.shape[0] == size + 5
+    grown.save_pretrained(tmp_path / "grown")
+    again = VisionEncoderDecoderModel.from_pretrained(tmp_path / "grown")
+    assert again.decoder.get_input_embeddings().weight.shape[0] == size + 5
+
+
+def test_school_formulas_take_the_im2latex_style() -> None:
+    from training.formula.school import is_dev, normalize
+
+    assert normalize(r"\frac{3}{2^{10}}") == r"\frac { 3 } { 2 ^ { 1 0 } }"
+    assert normalize(r"\left(x\right)+\left\{a\right.") == r"\left( x \right) + \left\{ a \right."
+    assert normalize(r"\left\langle a,b \right\rangle") == r"\left\langle a , b \right\rangle"
+    assert normalize(r"\text { A. } x") == r"\text { A . } x"
+    assert normalize("  ") == ""
+    # The split is fixed by the normalized text, so typing style does not move a formula.
+    assert is_dev(normalize(r"\frac{1}{2}")) == is_dev(r"\frac { 1 } { 2 }")
