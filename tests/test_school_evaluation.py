@@ -70,15 +70,25 @@ def test_latex_pictures_in_an_unseen_font_are_sized_by_their_em():
     assert 1.7 < ink_height(large[0]) / ink_height(small[0]) < 2.3
 
 
-def test_the_dev_formulas_are_the_first_of_the_dev_split_in_file_order(tmp_path):
-    lines = [f"x_{{{i}}}+{i}" for i in range(200)]
+def test_the_dev_formulas_are_a_fixed_random_sample_of_the_whole_dev_split(tmp_path):
+    lines = [f"x_{{{i}}}+{i}" for i in range(400)]
     dev = [f for f in map(school.normalize, lines) if school.is_dev(f)]
-    assert len(dev) > 3, "the fixture needs a few dev formulas"
-    chosen = evaluate.school_dev(write_school(tmp_path, lines), limit=3)
-    assert [formula for formula, _ in chosen] == dev[:3]
+    assert len(dev) > 20, "the fixture needs enough dev formulas"
+    data = write_school(tmp_path, lines)
+    chosen = evaluate.school_dev(data, limit=10)
+    formulas = [formula for formula, _ in chosen]
+    assert chosen == evaluate.school_dev(data, limit=10)
+    assert len(set(formulas)) == 10 and set(formulas) <= set(dev)
+    assert formulas != dev[:10], "not the first of the file"
+    assert max(dev.index(f) for f in formulas) > len(dev) // 2, "drawn from the whole split"
     assert [typed for _, typed in chosen] == [
-        lines[[*map(school.normalize, lines)].index(f)] for f in dev[:3]
+        lines[[*map(school.normalize, lines)].index(f)] for f in formulas
     ]
+
+
+def test_a_smaller_school_sample_is_the_start_of_the_larger_one(tmp_path):
+    data = write_school(tmp_path, [f"x_{{{i}}}+{i}" for i in range(400)])
+    assert evaluate.school_dev(data, limit=5) == evaluate.school_dev(data, limit=12)[:5]
 
 
 def test_the_table_compares_answers_in_the_normalized_style_and_pools_all_rows():

@@ -16,8 +16,9 @@ the server's adapter as an upload would, with the preprocessing time per image.
 
     python -m training.formula.evaluate --school ../shared/data/k12-formulas --threads 2
 
-scores school maths in styles the model never trained on (`SCHOOL_STYLES`): the first
-300 formulas of the school dev split (`school.split_formulas`) drawn as typed by LaTeX
+scores school maths in styles the model never trained on (`SCHOOL_STYLES`): 300
+formulas drawn at random from the whole school dev split (`school.split_formulas`;
+`school_dev`: the same 300 on every run and machine, whatever `--seed`) drawn as typed by LaTeX
 in the fonts training never renders (`latex_render.EVAL_FONTS`; left out, with a
 message, where `latex` is not installed) and by matplotlib's mathtext, each at an em of
 15 and 30 px, dark ink on white, and read through the server's adapter; references and
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import io
 import math
 import statistics
@@ -336,6 +338,9 @@ SCHOOL_STYLES = tuple(
 # The margin around the ink, in pixels of the final picture, drawn per formula.
 SCHOOL_MARGINS = (4, 6, 8, 12, 16)
 SCHOOL_SEED = 0
+# Draws which dev formulas the school evaluation reads (`school_dev`); fixed, so that
+# every run scores the same sample.
+SCHOOL_SAMPLE_SEED = "school-dev-sample-0"
 
 
 def have_latex() -> bool:
@@ -442,11 +447,23 @@ def school_table(
     return "\n".join(lines)
 
 
-def school_dev(data_dir: str | Path, limit: int = SCHOOL_LIMIT) -> list[tuple[str, str]]:
-    """(normalized formula, as typed) of the first `limit` school dev formulas, file order."""
+def school_dev(
+    data_dir: str | Path, limit: int = SCHOOL_LIMIT, seed: str = SCHOOL_SAMPLE_SEED
+) -> list[tuple[str, str]]:
+    """(normalized formula, as typed) of `limit` school dev formulas drawn at random from
+    the whole dev split, in the order drawn.
+
+    `formulas.txt` is sorted by its text, so its first dev formulas would be nearly all
+    intervals and coordinates. Each formula's place in the draw is the md5 of `seed` and
+    the formula: the same sample on every run, machine and library version, independent
+    of the split's own hash, and a smaller `limit` takes the first of the same draw."""
     _, dev = school.split_formulas(school.read_formulas(data_dir))
     sources = latex_render.school_sources(data_dir)
-    return [(formula, sources[formula]) for formula in dev[:limit]]
+
+    def place(formula: str) -> str:
+        return hashlib.md5(f"{seed}\n{formula}".encode()).hexdigest()
+
+    return [(formula, sources[formula]) for formula in sorted(dev, key=place)[:limit]]
 
 
 def school_evaluation(
@@ -604,7 +621,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--school",
         default="",
         help="score school maths in unseen styles instead: the k12-formulas folder "
-        f"(the first --limit dev formulas, default {SCHOOL_LIMIT})",
+        f"(--limit dev formulas drawn at random, default {SCHOOL_LIMIT})",
     )
     parser.add_argument(
         "--seed", type=int, default=SCHOOL_SEED, help="with --school: draws the margins"
