@@ -255,7 +255,9 @@ def metered_worker(
         def stream(feed) -> None:
             try:
                 runner.stream(feed)
-            finally:
-                meter.stop(wait=True)
+            except BaseException:
+                meter.abandon()
+                raise
+            meter.stop(wait=True)
 
     return Worker(name, run, thread, stream=stream, on_step=meter.lap)

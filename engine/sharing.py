@@ -127,8 +127,10 @@ class DeviceMeter:
         self._open = self._mark()
         try:
             yield
-        finally:
-            self.stop(wait=True)
+        except BaseException:
+            self.abandon()
+            raise
+        self.stop(wait=True)
 
     def lap(self) -> None:
         mark = self._mark()
@@ -143,6 +145,12 @@ class DeviceMeter:
             self._close(self._open, self._mark())
             self._open = None
         self._collect(wait)
+
+    def abandon(self) -> None:
+        """The work failed: end the running interval without ever waiting for the
+        device, and raise nothing that would hide the failure."""
+        with contextlib.suppress(Exception):
+            self.stop()
 
     def seconds(self) -> float:
         """Device time so far: what is credited, and on a CPU the running interval's."""
