@@ -13,7 +13,8 @@
 #      after 2 s of warm-up (as every served formula figure before);
 #   4. bench.compare texel: formulas served (shipped plan, batches of at most 128) at 128
 #      and 256, client processes and durations as in 3;
-# Each step's output goes to $OUT/NN-name.log (with the server log's tail when it fails),
+# Each step's output goes to $OUT/NN-name.log (with its server's model lines, and the
+# server log's tail when it fails),
 # records to $OUT/h200-mixed.jsonl and $OUT/h200-engine.jsonl as each level is measured;
 # a step that fails or runs out of time keeps what it measured and the next one runs. The
 # whole call stays within 570 s. The tables are printed last.
@@ -47,13 +48,17 @@ step() {
     timeout -k 15 "$cap" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     echo "=== $name rc=$rc at $(($(date +%s) - T0))s" >> $L
-    if ((rc != 0)); then
-        local server_log
-        for server_log in $(find /tmp -maxdepth 1 -name 'texel-test-*.log' \
-            -newer /tmp/texel-step-start); do
-            { echo "--- $server_log"; tail -60 "$server_log"; } >> "$OUT/$name.log"
-        done
-    fi
+    # Each server's model lines (which stream each model's work ran on), and its log's
+    # tail when the step failed.
+    local server_log
+    for server_log in $(find /tmp -maxdepth 1 -name 'texel-test-*.log' \
+        -newer /tmp/texel-step-start); do
+        {
+            echo "--- $server_log"
+            grep -E "ready on|could not load" "$server_log"
+            ((rc != 0)) && tail -60 "$server_log"
+        } >> "$OUT/$name.log"
+    done
 }
 
 MIXED="python3 -m bench.mixed --data /tmp/b --model-dir /tmp/sd15 --size sd15 --steps 20
@@ -72,6 +77,6 @@ echo "=== all done at $(($(date +%s) - T0))s" >> $L
 set +x
 for log in "$OUT"/0*.log; do
     echo "##### $(basename "$log")"
-    grep -E '^(\||GPU:)' "$log" || tail -5 "$log"
+    grep -E '^(\||GPU:)|ready on' "$log" || tail -5 "$log"
 done
 cat $L
