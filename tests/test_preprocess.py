@@ -241,8 +241,11 @@ def _glyphs(scale: int) -> Image.Image:
 
 
 def scaled_spec() -> FormulaImageSpec:
-    """A model trained on `_glyphs(1)`'s scale: 2 px strokes, upscaled at most twice."""
-    return FormulaImageSpec(height=64, max_width=512, max_upscale=2.0, stroke_width=2.0)
+    """A model trained on `_glyphs(1)`'s scale: 2 px strokes, 13 px glyphs, upscaled at most
+    twice."""
+    return FormulaImageSpec(
+        height=64, max_width=512, max_upscale=2.0, stroke_width=2.0, glyph_height=13.0
+    )
 
 
 def ink_height(strip: np.ndarray) -> int:

@@ -615,7 +615,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--keep-scale",
         action="store_true",
         help="with --variants: preprocess without bringing pictures to the training scale "
-        "(the spec's stroke_width unset), to measure that step",
+        "(the spec's stroke_width and glyph_height unset), to measure that step",
     )
     parser.add_argument(
         "--school",
@@ -656,7 +656,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             args.model, args.device, args.dtype, args.batch_size, args.bucket_width
         )
         preprocessor = recognizer.preprocessor
-        changes = {"stroke_width": None} if args.keep_scale else {}
+        changes = {"stroke_width": None, "glyph_height": None} if args.keep_scale else {}
         changes.update({"max_skew": 0.0} if args.no_deskew else {})
         if changes:
             spec = dataclasses.replace(preprocessor.spec, **changes)
