@@ -270,6 +270,68 @@ def test_stroke_width_measures_strokes_in_pixels():
         assert stroke_width(_glyphs(scale)) == pytest.approx(2.0 * scale, rel=0.2)
 
 
+def _mathtext(source: str, font: str, em_px: int) -> Image.Image:
+    """`source` drawn by matplotlib's mathtext in math font `font` with an em of `em_px`,
+    dark on white with a margin: a light font (cm) or a heavy one (dejavusans)."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    from matplotlib.font_manager import FontProperties
+    from matplotlib.mathtext import MathTextParser
+
+    prop = FontProperties(size=10, math_fontfamily=font)
+    raster = MathTextParser("agg").parse(f"${source}$", dpi=em_px * 7.2, prop=prop)
+    ink = Image.fromarray(255 - np.asarray(raster.image))
+    picture = Image.new("L", (ink.width + 16, ink.height + 16), 255)
+    picture.paste(ink, (8, 8))
+    return picture
+
+
+FORMULAS = (r"f(x)=a \ln x+\frac{1}{2} x^{2}", r"\frac{x+1}{x-1}>2 y", r"a_{n+1}=2 a_{n}+1")
+# Drawn large enough, a radical's vinculum touches its contents, which then count as one glyph.
+RADICAL = r"y=\sqrt{x^{2}+1}-3 x"
+
+
+@pytest.mark.parametrize("font", ["cm", "dejavusans"])
+def test_glyph_height_follows_the_font_size_whatever_the_stroke_weight(font):
+    from models.formula.preprocess import glyph_height
+
+    for source in FORMULAS:
+        per_em = [glyph_height(_mathtext(source, font, em)) / em for em in (15, 20, 30)]
+        assert max(per_em) / min(per_em) < 1.15, (source, per_em)
+
+
+def test_a_light_font_drawn_twice_as_large_reaches_the_model_at_the_same_scale():
+    from models.formula.preprocess import glyph_height, stroke_width, trim_margins
+
+    spec = FormulaImageSpec.from_pretrained("models/formula/default")
+    source = RADICAL
+    small, large = _mathtext(source, "cm", 15), _mathtext(source, "cm", 30)
+    # Its strokes alone say the large one is drawn at nearly the training scale.
+    assert stroke_width(trim_margins(large, 2)) < spec.stroke_width / 0.8
+    heights = [glyph_height(Image.fromarray(prepare_strip(p, spec))) for p in (small, large)]
+    assert heights[1] == pytest.approx(heights[0], rel=0.15)
+
+
+def test_a_picture_at_the_training_scale_with_tall_parts_keeps_the_usual_upscale():
+    from models.formula.preprocess import native_upscale, trim_margins
+
+    spec = FormulaImageSpec.from_pretrained("models/formula/default")
+    for source in (r"\left(\frac{a+b}{c_{1}}\right)^{2}=\sum_{i} x_{i}", r"\sum"):
+        picture = trim_margins(_mathtext(source, "cm", 15), 2)
+        assert native_upscale(picture, spec) == spec.max_upscale, source
+
+
+def test_specks_of_noise_do_not_change_the_glyph_height():
+    from models.formula.preprocess import glyph_height
+
+    clean = _mathtext(FORMULAS[0], "cm", 30)
+    pixels = np.array(clean)
+    rng = np.random.default_rng(0)
+    ys, xs = rng.integers(0, pixels.shape[0], 60), rng.integers(0, pixels.shape[1], 60)
+    pixels[ys, xs] = 0
+    assert glyph_height(Image.fromarray(pixels)) == pytest.approx(glyph_height(clean), rel=0.15)
+
+
 # -- rotation ---------------------------------------------------------------------------
 
 

@@ -2,10 +2,11 @@
 
 A formula picture becomes a grayscale strip of fixed height and variable width:
 decode (honouring EXIF orientation), reduce whatever colours it has to dark ink
-on white paper with full contrast, trim the margins, scale it so that its glyphs
-are as tall and its strokes as thick as in the images the model was trained on
-and it fits the model's height, then pad on the right to the bucket width. A picture with no ink becomes
-an empty strip, which the model does not read. Training and `make eval-formula`
+on white paper with full contrast, trim the margins, scale it so that its strokes
+are as thick (or, for a light font drawn large, its glyphs as tall) as in the
+images the model was trained on and it fits the model's height, then pad on the
+right to the bucket width. A picture with no ink becomes an empty strip, which the
+model does not read. Training and `make eval-formula`
 call the same functions, so the model sees exactly what the server feeds it.
 """
 
@@ -51,7 +52,7 @@ IM2LATEX_GLYPH_HEIGHT = 9.0
 # A picture is brought down to the training images' glyph height when its glyphs are
 # taller and its strokes thicker by this much together (the product of the two ratios):
 # glyph heights spread widely with what a formula is made of, so a clean picture with
-# tall parts (delimiters, stacked scripts: 1 in 100 over 1.5x) must not count as large,
+# tall parts (delimiters, stacked scripts: 1 in 150 over 1.54x) must not count as large,
 # but a light font drawn twice as large, with strokes only a little thicker, does.
 GLYPH_TOLERANCE = 0.6
 # Pieces taller than this many stroke widths are glyphs; flatter ones are fraction bars,
