@@ -54,6 +54,7 @@ IM2LATEX_GLYPH_HEIGHT = 9.0
 # glyph heights spread widely with what a formula is made of, so a clean picture with
 # tall parts (delimiters, stacked scripts: 1 in 150 over 1.54x) must not count as large,
 # but a light font drawn twice as large, with strokes only a little thicker, does.
+# Strokes thicker than 1 / this alone say how large a picture is (a HiDPI screenshot).
 GLYPH_TOLERANCE = 0.6
 # Pieces taller than this many stroke widths are glyphs; flatter ones are fraction bars,
 # minus signs, dots and noise, which say nothing of the font size.
@@ -363,23 +364,23 @@ def glyph_height(gray: Image.Image, stroke: float | None = None) -> float | None
 def native_upscale(gray: Image.Image, spec: FormulaImageSpec) -> float | None:
     """`spec.max_upscale` for this picture: the same cap for one drawn at the training
     scale, proportionally less for a larger drawing (a HiDPI screenshot), so that its
-    strokes end up as thick as the model's training images'; or, where its strokes are
-    within the training images' variety but its glyphs clearly taller (a light font at
-    a large size), so that its glyphs end up as tall. A smaller drawing keeps the cap:
-    its strokes, under a pixel, cannot tell how much smaller it is, and its glyphs'
-    heights vary too much with what they are."""
+    strokes end up as thick as the model's training images'; or its glyphs as tall,
+    where they say it is larger still and its strokes are not thick enough to say so
+    alone (a light font at a large size). A smaller drawing keeps the cap: its strokes,
+    under a pixel, cannot tell how much smaller it is, and its glyphs' heights vary too
+    much with what they are."""
     if spec.max_upscale is None or (spec.stroke_width is None and spec.glyph_height is None):
         return spec.max_upscale
     measured = stroke_width(gray)
     if measured <= 0:
         return spec.max_upscale
     strokes = 1.0 if spec.stroke_width is None else spec.stroke_width / measured
-    if strokes < SCALE_TOLERANCE:
-        return float(spec.max_upscale) * strokes  # beyond the training images' own variety
-    if spec.glyph_height is not None:
+    if spec.glyph_height is not None and strokes >= GLYPH_TOLERANCE:
         height = glyph_height(gray, measured)
         if height and spec.glyph_height / height * min(strokes, 1.0) < GLYPH_TOLERANCE:
             return float(spec.max_upscale) * spec.glyph_height / height
+    if strokes < SCALE_TOLERANCE:
+        return float(spec.max_upscale) * strokes  # beyond the training images' own variety
     return spec.max_upscale
 
 
