@@ -16,11 +16,12 @@ the server's adapter as an upload would, with the preprocessing time per image.
 
     python -m training.formula.evaluate --school ../shared/data/k12-formulas --threads 2
 
-scores school maths in styles the model never trained on (`SCHOOL_STYLES`): 300
+scores school maths in several styles (`SCHOOL_STYLES`): 300
 formulas drawn at random from the whole school dev split (`school.split_formulas`;
 `school_dev`: the same 300 on every run and machine, whatever `--seed`) drawn as typed by LaTeX
 in the fonts training never renders (`latex_render.EVAL_FONTS`; left out, with a
-message, where `latex` is not installed) and by matplotlib's mathtext, each at an em of
+message, where `latex` is not installed: unseen styles) and by matplotlib's mathtext
+(font sets that training's own renders use too: seen styles), each at an em of
 15 and 30 px, dark ink on white, and read through the server's adapter; references and
 answers are compared in `school.normalize`'s style. One row per style and size, and
 one for all pictures together.
@@ -620,7 +621,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--school",
         default="",
-        help="score school maths in unseen styles instead: the k12-formulas folder "
+        help="score school maths in several styles instead: the k12-formulas folder "
         f"(--limit dev formulas drawn at random, default {SCHOOL_LIMIT})",
     )
     parser.add_argument(
