@@ -22,7 +22,17 @@ FORMULAS_FILE = "formulas.txt"
 _TOKEN = re.compile(r"\\[A-Za-z]+|\\.|\S")
 _DELIMITED = {r"\left", r"\right"}
 # A delimiter word that follows `\left`/`\right` as a command (`\left\langle`).
-_DELIMITER_WORDS = {r"\langle", r"\rangle", r"\lbrack", r"\rbrack", r"\vert", r"\Vert"}
+_DELIMITER_WORDS = {
+    r"\langle",
+    r"\rangle",
+    r"\lbrack",
+    r"\rbrack",
+    r"\vert",
+    r"\Vert",
+    r"\{",
+    r"\}",
+    r"\|",
+}
 
 
 def normalize(formula: str) -> str:
@@ -33,15 +43,14 @@ def normalize(formula: str) -> str:
     while i < len(tokens):
         token = tokens[i]
         following = tokens[i + 1] if i + 1 < len(tokens) else None
-        if token in _DELIMITED and following is not None:
-            if len(following) == 1 or following in _DELIMITER_WORDS or following in (
-                r"\{",
-                r"\}",
-                r"\|",
-            ):
-                out.append(token + following)
-                i += 2
-                continue
+        if (
+            token in _DELIMITED
+            and following is not None
+            and (len(following) == 1 or following in _DELIMITER_WORDS)
+        ):
+            out.append(token + following)
+            i += 2
+            continue
         out.append(token)
         i += 1
     return " ".join(out)

@@ -425,8 +425,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         known = set(vocabulary)
         school = [f for f in school if known.issuperset(f.split())]
     print(
-        f"train {len(train)}, dev {len(dev)}, school {len(school)}, "
-        f"vocabulary {len(tokenizer)}",
+        f"train {len(train)}, dev {len(dev)}, school {len(school)}, vocabulary {len(tokenizer)}",
         flush=True,
     )
 
