@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import hashlib
 import io
+import logging
 import math
 import statistics
 import time
@@ -47,7 +48,7 @@ from PIL import Image, ImageOps
 
 from models.devices import resolve_dtype
 from models.formula.preprocess import FormulaImageSpec, FormulaPreprocessor
-from training.formula import latex_render, school
+from training.formula import latex_render, school, synth
 from training.formula.data import (
     BUCKET_STEP,
     load_strip,
@@ -361,14 +362,9 @@ def have_matplotlib() -> bool:
 def _with_margin(ink: Image.Image, margin: int) -> bytes:
     """A PNG of a grayscale picture (ink dark, white paper) cropped to its ink and given
     `margin` px of paper each side; empty bytes for a picture without ink."""
-    pixels = np.asarray(ink)
-    rows, cols = (
-        np.nonzero((pixels < 255).any(axis=1))[0],
-        np.nonzero((pixels < 255).any(axis=0))[0],
-    )
-    if rows.size == 0:
+    crop = latex_render.crop_to_ink(ink)
+    if crop is None:
         return b""
-    crop = ink.crop((int(cols[0]), int(rows[0]), int(cols[-1]) + 1, int(rows[-1]) + 1))
     canvas = Image.new("L", (crop.width + 2 * margin, crop.height + 2 * margin), 255)
     canvas.paste(crop, (margin, margin))
     return _png(canvas)
@@ -377,24 +373,8 @@ def _with_margin(ink: Image.Image, margin: int) -> bytes:
 def _mathtext_picture(source: str, font: str, em_px: int) -> Image.Image | None:
     """`source` drawn by mathtext in math font family `font`, an em of `em_px`; None when
     mathtext cannot parse it."""
-    import logging
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.font_manager import FontProperties
-    from matplotlib.mathtext import MathTextParser
-
     logging.getLogger("matplotlib").setLevel(logging.ERROR)
-    prop = FontProperties(size=10, math_fontfamily=font)
-    try:  # mathtext raises ValueError and assorted parse errors
-        raster = MathTextParser("agg").parse(f"${source}$", dpi=em_px * 7.2, prop=prop)
-    except Exception:
-        return None
-    ink = np.asarray(raster.image)
-    if ink.size == 0 or ink.max() == 0:
-        return None
-    return Image.fromarray(255 - ink)
+    return synth.draw_mathtext(f"${source}$", font, em_px)
 
 
 def school_pictures(

@@ -307,6 +307,15 @@ def thicken(page: Image.Image) -> Image.Image:
     return Image.fromarray(out)
 
 
+def crop_to_ink(page: Image.Image) -> Image.Image | None:
+    """A grayscale picture (ink dark, white paper) cropped to its ink; None without ink."""
+    ink = np.asarray(page) < 255
+    rows, cols = np.nonzero(ink.any(axis=1))[0], np.nonzero(ink.any(axis=0))[0]
+    if rows.size == 0:
+        return None
+    return page.crop((int(cols[0]), int(rows[0]), int(cols[-1]) + 1, int(rows[-1]) + 1))
+
+
 def im2markup_image(
     page: Image.Image, pad: int = IM2MARKUP_PAD, stroke: int = 1
 ) -> Image.Image | None:
@@ -315,13 +324,9 @@ def im2markup_image(
 
     None for a page without ink.
     """
-    if stroke:
-        page = thicken(page)
-    ink = np.asarray(page) < 255
-    rows, cols = np.nonzero(ink.any(axis=1))[0], np.nonzero(ink.any(axis=0))[0]
-    if rows.size == 0:
+    crop = crop_to_ink(thicken(page) if stroke else page)
+    if crop is None:
         return None
-    crop = page.crop((int(cols[0]), int(rows[0]), int(cols[-1]) + 1, int(rows[-1]) + 1))
     width, height = crop.width + 2 * pad, crop.height + 2 * pad
     bucket = next(
         ((w, h) for w, h in IM2MARKUP_BUCKETS if w >= width and h >= height), (width, height)
@@ -336,13 +341,9 @@ def screen_image(page: Image.Image, pad: int, stroke: int = 0) -> Image.Image | 
     """Crop to the ink, pad and downsample by 2, as a screenshot of a formula is cropped
     (no bucket); with `stroke` 1 the strokes are thickened first. None for a page without
     ink."""
-    if stroke:
-        page = thicken(page)
-    ink = np.asarray(page) < 255
-    rows, cols = np.nonzero(ink.any(axis=1))[0], np.nonzero(ink.any(axis=0))[0]
-    if rows.size == 0:
+    crop = crop_to_ink(thicken(page) if stroke else page)
+    if crop is None:
         return None
-    crop = page.crop((int(cols[0]), int(rows[0]), int(cols[-1]) + 1, int(rows[-1]) + 1))
     canvas = Image.new("L", (crop.width + 2 * pad, crop.height + 2 * pad), 255)
     canvas.paste(crop, (pad, pad))
     size = (max(1, canvas.width // DOWNSAMPLE), max(1, canvas.height // DOWNSAMPLE))

@@ -172,6 +172,16 @@ def render_formula(
 
     Returns None when mathtext cannot parse the formula.
     """
+    weights = None if any_font else FONTSET_WEIGHTS
+    fontset = FONTSETS[rng.choice(len(FONTSETS), p=weights)]
+    # im2latex images have an em of about 15 px; render `oversample` times larger.
+    em_px = rng.uniform(12.5, 17.0) * oversample
+    return draw_mathtext(mathtext_source(formula, rng), fontset, em_px)
+
+
+def draw_mathtext(source: str, fontset: str, em_px: float) -> Image.Image | None:
+    """A mathtext string (`$...$`) drawn in grayscale, ink dark, in math font family
+    `fontset` at an em of `em_px`; None when mathtext cannot parse it or draws nothing."""
     global _PARSER
     import matplotlib
 
@@ -181,13 +191,9 @@ def render_formula(
 
     if _PARSER is None:
         _PARSER = MathTextParser("agg")
-    weights = None if any_font else FONTSET_WEIGHTS
-    fontset = FONTSETS[rng.choice(len(FONTSETS), p=weights)]
-    # im2latex images have an em of about 15 px; render `oversample` times larger.
-    em_px = rng.uniform(12.5, 17.0) * oversample
     prop = FontProperties(size=10, math_fontfamily=fontset)
     try:
-        raster = _PARSER.parse(mathtext_source(formula, rng), dpi=em_px * 7.2, prop=prop)
+        raster = _PARSER.parse(source, dpi=em_px * 7.2, prop=prop)
     except Exception:  # mathtext raises ValueError and assorted parse errors
         return None
     ink = np.asarray(raster.image)
