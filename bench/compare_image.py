@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from bench.common import append_records, commit, settings_env
-from bench.compare import gpu_name, gpu_results_file, scrape, texel_extras
+from bench.compare import gpu_name, gpu_results_file, py_spy, scrape, texel_extras
 from bench.load import LoadResult, Workload, closed_loop_processes, open_loop
 from bench.server import ServerProcess
 from training.tiny import byte_level_vocab
@@ -227,7 +227,12 @@ def served(
     try:
         for label, drive in loads:
             before = scrape(proc.url)
+            spies = []
+            if label in args.py_spy_at:
+                spies = py_spy(args, proc.process.pid, f"image-c{label}")
             result = drive()
+            for spy in spies:
+                spy.wait(60)
             yield label, result, texel_extras(before, scrape(proc.url))
     finally:
         proc.stop()
@@ -265,6 +270,13 @@ def main() -> None:
     )
     parser.add_argument("--skip-nobatch", action="store_true", help="leave out texel-nobatch")
     parser.add_argument(
+        "--py-spy-at",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[],
+        help="sample Texel's processes with py-spy at these concurrencies, into "
+        "py-spy-image-c*.txt beside the results",
+    )
+    parser.add_argument(
         "--rates",
         type=lambda s: [float(x) for x in s.split(",")],
         default=[],
@@ -277,7 +289,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    out = args.out or gpu_results_file()
+    out = args.out = args.out or gpu_results_file()
     base = record_base("image", "bench.compare_image", args)
     records = []
 
