@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -40,6 +40,29 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     stream's priority: the engine may have put this model's work on a high-priority
     stream (`engine.sharing`), and its side work must not fall behind other models'."""
     return torch.cuda.Stream(device, priority=torch.cuda.current_stream(device).priority)
+
+
+def capture_graph(
+    run: Callable, pool, device: torch.device, *, warm: Callable, warmups: int
+) -> torch.cuda.CUDAGraph:
+    """`warm()` `warmups` times on a side stream (allocations settle, kernels load), then
+    one `run()` captured as a CUDA graph drawing on the memory pool `pool`.
+
+    Streams and captures belong to the current device, so `device` is made current: a
+    worker for cuda:1 runs on a thread (or in a process) whose current device is cuda:0,
+    and its captures would otherwise record nothing and fail.
+    """
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmups):
+                warm()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            run()
+    return graph
 
 
 def resolve_dtype(

@@ -84,7 +84,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from models.devices import side_stream
+from models.devices import capture_graph, side_stream
 
 logger = logging.getLogger(__name__)
 
@@ -694,7 +694,7 @@ class StaticGreedyDecoder:
                 kv_shape[-2] = self._encode(inputs[:1]).shape[-2]  # the source length
                 lane.kv = torch.empty((2, *kv_shape), device=self.device, dtype=self.dtype)
             out = lane.kv[:, :, :rows]
-            graph = _capture_graph(
+            graph = capture_graph(
                 lambda: out.copy_(self._encode(inputs)),
                 lane.pool,
                 self.device,
@@ -713,7 +713,7 @@ class StaticGreedyDecoder:
         try:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            return _capture_graph(
+            return capture_graph(
                 lambda: self._steps(bucket),
                 self._pool,
                 self.device,
@@ -789,29 +789,6 @@ def _fused_projection(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor | Non
         ]
     ).detach()
     return weight, bias
-
-
-def _capture_graph(
-    run: Callable, pool, device: torch.device, *, warm: Callable, warmups: int
-) -> torch.cuda.CUDAGraph:
-    """`warm()` `warmups` times on a side stream (allocations settle, kernels load), then
-    one `run()` captured as a CUDA graph drawing on the memory pool `pool`.
-
-    Streams and captures belong to the current device, so `device` is made current: a
-    worker for cuda:1 runs on a thread (or in a process) whose current device is cuda:0,
-    and its captures would otherwise record nothing and fail.
-    """
-    with torch.cuda.device(device):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmups):
-                warm()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            run()
-    return graph
 
 
 @dataclass(frozen=True)

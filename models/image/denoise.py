@@ -27,6 +27,8 @@ import torch
 from diffusers import StableDiffusionPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
+from models.image.graphs import UNetGraphs
+
 
 @dataclass(eq=False)
 class Denoising:
@@ -62,6 +64,8 @@ class DenoisingLoop:
 
     def __init__(self, pipe: StableDiffusionPipeline) -> None:
         self.pipe = pipe
+        # The UNet's steps replayed from CUDA graphs (`models.image.graphs`), once captured.
+        self.graphs: UNetGraphs | None = None
 
     @staticmethod
     def supports(pipe: Any) -> bool:
@@ -122,12 +126,13 @@ class DenoisingLoop:
             x = request.scheduler.scale_model_input(x, t)
             inputs.append(x)
             timesteps.append(t.reshape(1).expand(x.shape[0]))
-        noise = self.pipe.unet(
-            torch.cat(inputs),
-            torch.cat(timesteps),
-            encoder_hidden_states=torch.cat([r.embeddings for r in group]),
-            return_dict=False,
-        )[0]
+        sample, timestep = torch.cat(inputs), torch.cat(timesteps)
+        context = torch.cat([r.embeddings for r in group])
+        if self.graphs is not None:
+            noise = self.graphs(sample, timestep, context)
+        else:
+            unet = self.pipe.unet
+            noise = unet(sample, timestep, encoder_hidden_states=context, return_dict=False)[0]
         for request, predicted in zip(group, noise.split([r.rows for r in group]), strict=True):
             if request.guided:
                 unconditional, conditional = predicted.chunk(2)
