@@ -5,7 +5,7 @@
 #      the raw pipeline at batch 1 and 8, then Texel (continuous denoising loop, batches of
 #      at most 8) closed-loop at concurrency 1 and 8, with py-spy on every process at both;
 #   2. bench.compare texel: formulas served (shipped plan, batches of at most 128) at 128
-#      and 256, py-spy at 256;
+#      and 256;
 #   3. bench.compare engine-only: the engine's continuous decoder fed preprocessed images
 #      from memory at 128, 256 and 512 in flight;
 #   4. bench.compare litserve at 128 (the same adapter behind LitServe).
@@ -34,7 +34,7 @@ FORMULAS="python3 -m bench.compare --data /tmp/b --max-batch-size 128 --duration
     --client-processes 4 --out $OUT/h200-engine.jsonl"
 
 step 01-images 200 120 $IMAGES --batch-sizes 1,8 --py-spy-at 1,8
-step 02-formulas 120 70 $FORMULAS --servers texel --concurrency 128,256 --py-spy-at 256
+step 02-formulas 120 70 $FORMULAS --servers texel --concurrency 128,256
 step 03-engine-only 130 60 $FORMULAS --servers engine-only --concurrency 128,256,512
 step 04-litserve 90 60 $FORMULAS --servers litserve --concurrency 128
 

@@ -7,9 +7,10 @@ seed and settings, never on the batch it ran in.
 Stable Diffusion pipelines run in Texel's own denoising loop (`models.image.denoise`):
 with `continuous` (the default) requests join a running loop at a step boundary,
 whatever their step count or guidance, and leave when their own schedule ends. Other
-pipelines run whole: requests with equal size, steps and guidance share one call.
+pipelines run whole: requests with equal size, steps and guidance share one call. On a
+GPU that loop replays its UNet from CUDA graphs captured at warm-up (`models.image.graphs`).
 
-The UNet can be compiled (`compile="batch"` or `"dynamic"`, off by default): warm-up
+The UNet can be compiled instead (`compile="batch"` or `"dynamic"`, off by default): warm-up
 then compiles a graph for every batch size up to the largest, so no request of one image
 pays for compilation. bench/RESULTS.md gives what each costs and gains.
 """
