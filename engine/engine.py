@@ -28,7 +28,15 @@ import torch
 from batching import Batcher, BatchPolicy, BatchResult, ComputeThread, Draining, Worker
 from engine import sharing
 from engine.errors import NotReady, UnknownModel
-from engine.sharing import DEFAULT_SHARING, CudaApi, DeviceMeter, Lane, Sharing, TorchCuda
+from engine.sharing import (
+    DEFAULT_SHARING,
+    CudaApi,
+    DeviceMeter,
+    Lane,
+    Sharing,
+    TorchCuda,
+    lane_attributes,
+)
 from models.base import DeviceRunner, Model
 from telemetry import BatchTelemetry, metrics
 
@@ -108,7 +116,10 @@ class Engine:
         loop = asyncio.get_running_loop()
         try:
             model = plan.build()
-            lane = sharing.lane(self.sharing, self.device, model.latency_sensitive, self._cuda)
+            shared = len(self._served) > 1
+            lane = sharing.lane(
+                self.sharing, self.device, model.latency_sensitive, self._cuda, shared
+            )
             thread = self._compute_thread(plan.key, lane)
             # On the compute thread: on a CPU, torch's OpenMP team belongs to the first
             # thread that computes, and loading computes (fp16 weights become fp32).
@@ -134,7 +145,7 @@ class Engine:
             model.operation,
             padding_efficiency=model.padding_efficiency,
             device_s=meter.seconds,
-            attributes={} if lane.stream == "cpu" else {"texel.device.stream": lane.stream},
+            attributes=lane_attributes(lane),
         )
         served.model = model
         served.batcher = Batcher(plan.key, [worker], policy, observer=observer)

@@ -8,9 +8,12 @@ policy (`TEXEL_ADVANCED__GPU_SHARING`) says where each thread queues its work:
   highest priority, the others' at its lowest. The GPU runs both at once; whenever a
   kernel of the high-priority stream waits, its blocks take the next free room, so a
   formula's decoding steps run beside a long denoising step instead of behind it, and
-  the images get whatever the formulas leave. (Equal priorities are not offered: torch
-  draws streams of one priority from a small pool, so a model's stream could be one the
-  other model's side work already uses.)
+  the images get whatever the formulas leave. A high priority only wins the room that
+  frees up, though, and a UNet replayed from CUDA graphs keeps every SM full; so on a
+  device shared with other models a model that is not latency-sensitive runs in a CUDA
+  green context that leaves `RESERVED_SMS` of the device's SMs to the others. (Equal
+  priorities are not offered: torch draws streams of one priority from a small pool, so
+  a model's stream could be one the other model's side work already uses.)
 - `off`: every model on the device's default stream, each kernel queued behind the
   other model's, and each wait for its own work a wait for the other's too.
 
@@ -25,6 +28,7 @@ never waited for during a stream), wall time on a CPU.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import deque
@@ -36,8 +40,14 @@ import torch
 
 from telemetry import metrics
 
+log = logging.getLogger(__name__)
+
 Sharing = Literal["priority", "off"]
 DEFAULT_SHARING: Sharing = "priority"
+# SMs a shared device keeps from its models that are not latency-sensitive (green contexts
+# take SMs in groups of 8 on current GPUs, so the partition is rounded down to one).
+RESERVED_SMS = 8
+SM_GROUP = 8
 
 
 class CudaApi(Protocol):
@@ -48,9 +58,14 @@ class CudaApi(Protocol):
         """(lowest, highest) stream priority of the device; CUDA counts down."""
         ...
 
-    def enter(self, device: torch.device, priority: int | None) -> None:
+    def enter(self, device: torch.device, priority: int | None, sms: int | None) -> None:
         """On a compute thread: make `device` current, and with a `priority` a new
-        stream of that priority the thread's current stream."""
+        stream of that priority the thread's current stream; with `sms`, a stream of a
+        green context confined to that many SMs instead."""
+        ...
+
+    def sm_count(self, device: torch.device) -> int:
+        """The device's streaming multiprocessors."""
         ...
 
     def event(self) -> Any:
@@ -64,12 +79,29 @@ class TorchCuda:
     def priority_range(self) -> tuple[int, int]:
         return torch.cuda.Stream.priority_range()
 
-    def enter(self, device: torch.device, priority: int | None) -> None:
+    def __init__(self) -> None:
+        self._contexts: list[Any] = []  # green contexts live as long as their streams
+
+    def enter(self, device: torch.device, priority: int | None, sms: int | None) -> None:
         # Each thread starts on cuda:0: a worker for another GPU makes its own current,
         # so that the streams, CUDA graphs and allocations it makes are on it.
         torch.cuda.set_device(device)
+        if sms is not None:
+            try:
+                from torch.cuda.green_contexts import GreenContext
+
+                context = GreenContext.create(num_sms=sms, device_id=device.index or 0)
+                self._contexts.append(context)
+                torch.cuda.set_stream(context.Stream())
+                log.info("%s: this model's work runs on %d SMs (a green context)", device, sms)
+                return
+            except Exception as exc:  # an older driver or build: the whole device
+                log.warning("%s: no green context of %d SMs (%s)", device, sms, exc)
         if priority is not None:
             torch.cuda.set_stream(torch.cuda.Stream(device, priority=priority))
+
+    def sm_count(self, device: torch.device) -> int:
+        return torch.cuda.get_device_properties(device).multi_processor_count
 
     def event(self) -> Any:
         event = torch.cuda.Event(enable_timing=True)
@@ -80,14 +112,22 @@ class TorchCuda:
 @dataclass(frozen=True)
 class Lane:
     """Where one model's work queues on its device: a CUDA stream of `priority`, or with
-    None the device's default stream (and on a CPU, the shared compute thread)."""
+    None the device's default stream (and on a CPU, the shared compute thread); with
+    `sms`, a stream confined to that many of the device's SMs."""
 
     priority: int | None
     stream: str  # for spans: "high", "low", "default" or "cpu"
+    sms: int | None = None
 
 
-def lane(policy: Sharing, device: torch.device, latency_sensitive: bool, cuda: CudaApi) -> Lane:
-    """The lane of a model on `device` under `policy`."""
+def lane(
+    policy: Sharing,
+    device: torch.device,
+    latency_sensitive: bool,
+    cuda: CudaApi,
+    shared: bool = False,
+) -> Lane:
+    """The lane of a model on `device` under `policy`; `shared`: other models run there."""
     if device.type != "cuda":
         return Lane(None, "cpu")
     if policy == "off":
@@ -95,13 +135,28 @@ def lane(policy: Sharing, device: torch.device, latency_sensitive: bool, cuda: C
     if policy != "priority":
         raise ValueError(f"unknown GPU sharing policy {policy!r}; use priority or off")
     lowest, highest = cuda.priority_range()
-    return Lane(highest, "high") if latency_sensitive else Lane(lowest, "low")
+    if latency_sensitive:
+        return Lane(highest, "high")
+    sms = None
+    if shared:
+        sms = (cuda.sm_count(device) - RESERVED_SMS) // SM_GROUP * SM_GROUP
+    return Lane(lowest, "low", sms if sms and sms > 0 else None)
+
+
+def lane_attributes(lane: Lane) -> dict[str, Any]:
+    """What a batch span says of the lane its work ran on."""
+    if lane.stream == "cpu":
+        return {}
+    attributes: dict[str, Any] = {"texel.device.stream": lane.stream}
+    if lane.sms is not None:
+        attributes["texel.device.sms"] = lane.sms
+    return attributes
 
 
 def enter(device: torch.device, lane: Lane, cuda: CudaApi) -> None:
     """The compute thread's initializer: its device current, its work on its lane."""
     if device.type == "cuda":
-        cuda.enter(device, lane.priority)
+        cuda.enter(device, lane.priority, lane.sms)
 
 
 class DeviceMeter:

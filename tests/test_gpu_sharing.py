@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from app.launcher import single_process_app
 from app.settings import Settings
-from engine import Engine, ModelPlan
+from engine import Engine, ModelPlan, sharing
 from engine.sharing import DeviceMeter
 from telemetry import add_span_processor, metrics
 from tests.conftest import formula_png
@@ -24,6 +24,7 @@ from tests.test_compute_thread import Recorder
 CPU = torch.device("cpu")
 GPU = torch.device("cuda", 1)
 LOWEST, HIGHEST = 0, -5  # CUDA counts priorities down
+SMS = 132  # an H200's
 
 
 class FakeEvent:
@@ -52,12 +53,17 @@ class FakeCuda:
         self.clock = 0.0
         self.passed = True
         self.events: list[FakeEvent] = []
+        self.sms: list[int | None] = []
 
     def priority_range(self) -> tuple[int, int]:
         return LOWEST, HIGHEST
 
-    def enter(self, device: torch.device, priority: int | None) -> None:
+    def enter(self, device: torch.device, priority: int | None, sms: int | None) -> None:
         self.entered.append((device, priority, threading.get_ident()))
+        self.sms.append(sms)
+
+    def sm_count(self, device: torch.device) -> int:
+        return SMS
 
     def event(self) -> FakeEvent:
         self.events.append(FakeEvent(self.clock, self.passed))
@@ -99,6 +105,30 @@ async def entered_by_model(device: torch.device, policy: str) -> dict[str, set]:
 async def test_each_policy_puts_each_models_gpu_work_on_its_own_lane(policy, formula, image):
     entered = await entered_by_model(GPU, policy)
     assert entered == {"formula": {(GPU, formula)}, "image": {(GPU, image)}}
+
+
+def test_on_a_shared_gpu_a_model_that_is_not_latency_sensitive_leaves_sms_to_the_others():
+    cuda = FakeCuda()
+    assert sharing.lane("priority", GPU, False, cuda, shared=True).sms == 120  # 124, in 8s
+    assert sharing.lane("priority", GPU, True, cuda, shared=True).sms is None
+    assert sharing.lane("priority", GPU, False, cuda, shared=False).sms is None
+    assert sharing.lane("off", GPU, False, cuda, shared=True).sms is None
+
+
+async def test_an_engine_of_two_models_confines_the_one_that_is_not_latency_sensitive():
+    cuda = FakeCuda()
+    threads: list[tuple[str, int]] = []
+    formula = Recorder("formula", threads)
+    formula.latency_sensitive = True
+    engine = Engine(GPU, [plan(formula), plan(Recorder("image", threads))], "priority", cuda)
+    await engine.start()
+    await engine.close()
+    assert cuda.sms == [None, 120]  # loaded in the order of the plans
+    alone = FakeCuda()
+    engine = Engine(GPU, [plan(Recorder("image", threads))], "priority", alone)
+    await engine.start()
+    await engine.close()
+    assert alone.sms == [None]
 
 
 async def test_a_gpu_engine_gives_each_model_a_thread_that_makes_its_gpu_current():
