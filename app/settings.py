@@ -172,8 +172,9 @@ class AdvancedSettings(BaseModel):
         "priority",
         description="How the models of one GPU share it: priority puts each model's work "
         "on a CUDA stream of its own, the formula model's at a higher priority so that its "
-        "steps run beside a denoising step rather than behind it; off queues every model's "
-        "work on the one default stream (no effect on a CPU).",
+        "steps run beside a denoising step rather than behind it, and keeps a few SMs "
+        "from the image model for it; off queues every model's work on the one default "
+        "stream (no effect on a CPU).",
     )
     keep_alive_s: int = Field(
         75,

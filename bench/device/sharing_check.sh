@@ -6,12 +6,12 @@
 #   1. bench.mixed: the shipped formula model and an SD-1.5-size pipeline (random weights,
 #      512x512, 20 steps, batches of at most 8) at 128+0, 0+8, 128+8 and 16+8 clients;
 #   2. bench.equivalence: 500 im2latex images, batches of 128.
-# Logs and records go to $OUT/r, packed into $OUT/results.tar.xz; within 300 s.
+# Logs and records go to $OUT/r, packed into $OUT/results.tar.xz; within 320 s.
 #   carry: .whl .whlx .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/sharing_check.sh COMMIT
 COMMIT=${1:?usage: bash bench/device/sharing_check.sh COMMIT}
 T0=$(date +%s)
-END=$((T0 + 300))
+END=$((T0 + 320))
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl .whlx/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TEXEL_COMMIT=$COMMIT
@@ -24,7 +24,7 @@ L=$OUT/bench.log
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" >> $L 2>&1
 source bench/device/step.sh
 
-step 01-mixed 190 120 python3 -m bench.mixed --data /tmp/b --model-dir /tmp/sd15 --size sd15 \
+step 01-mixed 230 120 python3 -m bench.mixed --data /tmp/b --model-dir /tmp/sd15 --size sd15 \
     --steps 20 --max-batch-size 128 --image-batch-size 8 --client-processes 4 \
     --image-client-processes 1 --duration 20 --warmup 3 --out $OUT/h200-mixed.jsonl \
     --loads 128+0,0+8,128+8,16+8
