@@ -63,9 +63,13 @@ class ServerProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
-        self.wait_live()
-        if wait_ready:
-            self.wait_ready(ready_timeout)
+        try:
+            self.wait_live()
+            if wait_ready:
+                self.wait_ready(ready_timeout)
+        except BaseException:  # a server that never came up is not left running
+            self.stop(signal.SIGKILL)
+            raise
 
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 60), **kwargs)
