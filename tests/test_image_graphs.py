@@ -18,22 +18,23 @@ def _pixels(generator: ImageGenerator, device: torch.device, *requests: ImageReq
     return [image for result in results for image in result.images]
 
 
+def _warmed_up(path, device: torch.device, max_batch_size: int) -> ImageGenerator:
+    generator = ImageGenerator(str(path), [device])
+    generator.open()
+    generator.load(device)
+    generator.warmup(device, max_batch_size=max_batch_size)
+    return generator
+
+
 def test_on_a_cpu_the_loop_steps_eagerly(tiny_models):
     cpu = torch.device("cpu")
-    generator = ImageGenerator(str(tiny_models["image"]), [cpu])
-    generator.open()
-    generator.load(cpu)
-    generator.warmup(cpu, max_batch_size=2)
-    assert generator.denoising_loop(cpu).graphs is None
+    assert _warmed_up(tiny_models["image"], cpu, 2).denoising_loop(cpu).graphs is None
 
 
 @needs_cuda
 def test_graphed_steps_paint_what_eager_steps_paint(tiny_models):
     cuda = torch.device("cuda")
-    generator = ImageGenerator(str(tiny_models["image"]), [cuda])
-    generator.open()
-    generator.load(cuda)
-    generator.warmup(cuda, max_batch_size=4)
+    generator = _warmed_up(tiny_models["image"], cuda, 4)
     loop = generator.denoising_loop(cuda)
     assert loop.graphs is not None
     requests = (

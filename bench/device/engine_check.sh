@@ -17,15 +17,11 @@
 COMMIT=${1:?usage: bash bench/device/engine_check.sh COMMIT}
 T0=$(date +%s)
 END=$((T0 + 530))
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl .whlx/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TEXEL_COMMIT=$COMMIT
-export TEXEL_REQUEST_TIMEOUT_S=300
-mkdir -p /tmp/b && tar xf .gb/bench_images.tar -C /tmp/b
+source bench/device/step.sh
+prepare "$COMMIT" .whl .whlx
 L=$OUT/bench.log
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv \
     > $OUT/00-gpu.log 2>&1
-source bench/device/step.sh
 
 IMAGES="python3 -m bench.compare_image --size sd15 --steps 20 --duration 15 --warmup 5
     --client-processes 4 --skip-nobatch --model-dir /tmp/sd15 --repeats 2
@@ -39,8 +35,4 @@ step 03-engine-only 130 60 $FORMULAS --servers engine-only --concurrency 128,256
 step 04-litserve 90 60 $FORMULAS --servers litserve --concurrency 128
 
 echo "=== all done at $(($(date +%s) - T0))s" >> $L
-for log in "$OUT"/0*.log; do
-    echo "##### $(basename "$log")"
-    grep -E '^(\||GPU:|\{)|ready on' "$log" | cut -c1-400 || tail -5 "$log"
-done
-cat $L
+summarize '^(\||GPU:|\{)|ready on'

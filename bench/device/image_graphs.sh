@@ -16,17 +16,13 @@
 COMMIT=${1:?usage: bash bench/device/image_graphs.sh COMMIT}
 T0=$(date +%s)
 END=$((T0 + 540))
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl .whlx/*.whl .whlp/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TEXEL_COMMIT=$COMMIT
-export TEXEL_REQUEST_TIMEOUT_S=300
-mkdir -p /tmp/b && tar xf .gb/bench_images.tar -C /tmp/b
+source bench/device/step.sh
+prepare "$COMMIT" .whl .whlx .whlp
 FINAL=$OUT
 OUT=$OUT/r
 mkdir -p $OUT
 L=$OUT/bench.log
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv >> $L 2>&1
-source bench/device/step.sh
 
 step 00-tests 100 60 python3 -m pytest -q -p no:cacheprovider tests/test_image_graphs.py
 step 01-images 230 120 python3 -m bench.compare_image --size sd15 --steps 20 --duration 15 \
@@ -40,9 +36,5 @@ step 03-equivalence 100 50 python3 -m bench.image_equivalence --model-dir /tmp/s
     --prompts 100 --steps 20 --sides 512 --out $OUT/image-equivalence.jsonl
 
 echo "=== all done at $(($(date +%s) - T0))s" >> $L
-for log in "$OUT"/0*.log; do
-    echo "##### $(basename "$log")"
-    grep -E '^(\||GPU:)|ready on|captured|passed|failed|PSNR|psnr' "$log" | cut -c1-300 || tail -5 "$log"
-done
-cat $L
+summarize '^(\||GPU:)|ready on|captured|passed|failed|PSNR|psnr'
 cd $FINAL && tar cJf results.tar.xz r && rm -rf r

@@ -12,17 +12,13 @@
 COMMIT=${1:?usage: bash bench/device/sharing_check.sh COMMIT}
 T0=$(date +%s)
 END=$((T0 + 320))
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl .whlx/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TEXEL_COMMIT=$COMMIT
-export TEXEL_REQUEST_TIMEOUT_S=300
-mkdir -p /tmp/b && tar xf .gb/bench_images.tar -C /tmp/b
+source bench/device/step.sh
+prepare "$COMMIT" .whl .whlx
 FINAL=$OUT
 OUT=$OUT/r
 mkdir -p $OUT
 L=$OUT/bench.log
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" >> $L 2>&1
-source bench/device/step.sh
 
 step 01-mixed 230 120 python3 -m bench.mixed --data /tmp/b --model-dir /tmp/sd15 --size sd15 \
     --steps 20 --max-batch-size 128 --image-batch-size 8 --client-processes 4 \
@@ -33,9 +29,5 @@ step 02-equivalence 90 50 python3 -m bench.equivalence --data /tmp/b --images 50
     --batch-size 128 --out $OUT/equivalence.jsonl
 
 echo "=== all done at $(($(date +%s) - T0))s" >> $L
-for log in "$OUT"/0*.log; do
-    echo "##### $(basename "$log")"
-    grep -E '^(\||GPU:)|ready on|green|SMs|equal|identical' "$log" | cut -c1-300 || tail -5 "$log"
-done
-cat $L
+summarize '^(\||GPU:)|ready on|green|SMs|equal|identical'
 cd $FINAL && tar cJf results.tar.xz r && rm -rf r

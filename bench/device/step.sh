@@ -1,4 +1,31 @@
-# Sourced by the device calls: `step`, one bounded step of a call (expects T0, END, L, OUT).
+# Sourced by the device calls: `prepare`, their set-up, and `step`, one bounded step of a
+# call (expects T0, END, L, OUT).
+
+# prepare COMMIT FOLDER...: install the wheels carried in each FOLDER, export what the
+# benchmarks read (the commit they record), unpack the benchmark images into /tmp/b.
+prepare() {
+    local commit=$1 folder wheels=()
+    shift
+    for folder in "$@"; do wheels+=("$folder"/*.whl); done
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "${wheels[@]}" || exit 1
+    export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TEXEL_COMMIT=$commit
+    export TEXEL_REQUEST_TIMEOUT_S=300
+    mkdir -p /tmp/b && tar xf .gb/bench_images.tar -C /tmp/b
+}
+
+# summarize PATTERN: each step's log lines that match PATTERN (or its tail), then the
+# call's own log.
+summarize() {
+    local log
+    for log in "$OUT"/0*.log; do
+        echo "##### $(basename "$log")"
+        grep -E "$1" "$log" | cut -c1-300
+        ((PIPESTATUS[0] == 0)) || tail -5 "$log"
+    done
+    cat "$L"
+}
+
 # step NAME CAP NEED COMMAND...: run COMMAND for at most CAP seconds and never past END;
 # skipped when fewer than NEED seconds are left.
 step() {
