@@ -116,7 +116,11 @@ class Engine:
         loop = asyncio.get_running_loop()
         try:
             model = plan.build()
-            shared = len(self._served) > 1
+            # Other models on this device that have not failed to load (they load in turn).
+            shared = any(
+                other is not served and other.state.state != "failed"
+                for other in self._served.values()
+            )
             lane = sharing.lane(
                 self.sharing, self.device, model.latency_sensitive, self._cuda, shared
             )

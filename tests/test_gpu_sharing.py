@@ -131,6 +131,21 @@ async def test_an_engine_of_two_models_confines_the_one_that_is_not_latency_sens
     assert alone.sms == [None]
 
 
+async def test_a_model_whose_only_company_failed_to_load_has_the_whole_gpu():
+    cuda = FakeCuda()
+    threads: list[tuple[str, int]] = []
+
+    def broken():
+        raise RuntimeError("no weights here")
+
+    formula = ModelPlan("formula", broken, 4, max_wait_s=0.001, max_queue=64)
+    engine = Engine(GPU, [formula, plan(Recorder("image", threads))], "priority", cuda)
+    await engine.start()
+    await engine.close()
+    assert engine.states()["formula"].state == "failed"
+    assert cuda.sms == [None]
+
+
 async def test_a_gpu_engine_gives_each_model_a_thread_that_makes_its_gpu_current():
     """A model on cuda:1 must not capture graphs or open streams on cuda:0, every
     thread's starting device."""
