@@ -76,11 +76,11 @@ class CudaApi(Protocol):
 class TorchCuda:
     """`CudaApi` through torch."""
 
-    def priority_range(self) -> tuple[int, int]:
-        return torch.cuda.Stream.priority_range()
-
     def __init__(self) -> None:
         self._contexts: list[Any] = []  # green contexts live as long as their streams
+
+    def priority_range(self) -> tuple[int, int]:
+        return torch.cuda.Stream.priority_range()
 
     def enter(self, device: torch.device, priority: int | None, sms: int | None) -> None:
         # Each thread starts on cuda:0: a worker for another GPU makes its own current,
