@@ -226,11 +226,11 @@ class ImageGenerator(Model):
     def warmup(self, device: torch.device, max_batch_size: int) -> None:
         """A full batch at the default settings on `device`, on its worker thread. On a
         GPU an uncompiled UNet is then captured as CUDA graphs at the default size, one
-        per row count the loop can run (`models.image.graphs`). A
-        compiled UNet runs every batch size from the largest down and one image without
-        guidance (a graph of its own), so that each graph a request of one image can
-        need is compiled here, before readiness. (Requests of several images make
-        larger batches, which the symbolic graph serves as well.)"""
+        per row count the loop can run (`models.image.graphs`). A compiled UNet runs
+        every batch size from the largest down and one image without guidance (a graph
+        of its own), so that each graph a request of one image can need is compiled
+        here, before readiness. (Requests of several images make larger batches, which
+        the symbolic graph serves as well.)"""
         d = self._defaults
         self._capacity[str(device)] = max_batch_size
         metrics.LOOP_BUDGET.labels(self.name, str(device)).set(max_batch_size)

@@ -27,7 +27,7 @@ import torch
 from diffusers import StableDiffusionPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
-from models.image.graphs import UNetGraphs
+from models.image.graphs import UNetGraphs, unet_forward
 
 
 @dataclass(eq=False)
@@ -128,11 +128,10 @@ class DenoisingLoop:
             timesteps.append(t.reshape(1).expand(x.shape[0]))
         sample, timestep = torch.cat(inputs), torch.cat(timesteps)
         context = torch.cat([r.embeddings for r in group])
-        if self.graphs is not None:
+        if self.graphs is not None:  # falls back to an eager call for other shapes
             noise = self.graphs(sample, timestep, context)
         else:
-            unet = self.pipe.unet
-            noise = unet(sample, timestep, encoder_hidden_states=context, return_dict=False)[0]
+            noise = unet_forward(self.pipe.unet, sample, timestep, context)
         for request, predicted in zip(group, noise.split([r.rows for r in group]), strict=True):
             if request.guided:
                 unconditional, conditional = predicted.chunk(2)

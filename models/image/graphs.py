@@ -25,6 +25,13 @@ from models.devices import capture_graph
 log = logging.getLogger(__name__)
 
 
+def unet_forward(
+    unet: torch.nn.Module, sample: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor
+) -> torch.Tensor:
+    """One eager UNet call: the noise predicted for each row."""
+    return unet(sample, timestep, encoder_hidden_states=context, return_dict=False)[0]
+
+
 class UNetGraphs:
     """`unet(sample, timestep, encoder_hidden_states)` for one latent shape and context
     shape, replayed from CUDA graphs for every row count up to `max_rows`."""
@@ -72,7 +79,7 @@ class UNetGraphs:
             or context.shape[1:] != self.context.shape[1:]
             or timestep.dtype != self.timestep.dtype
         ):
-            return self.unet(sample, timestep, encoder_hidden_states=context, return_dict=False)[0]
+            return unet_forward(self.unet, sample, timestep, context)
         graph, out = captured
         self.sample[:rows].copy_(sample)
         self.timestep[:rows].copy_(timestep)
@@ -82,12 +89,9 @@ class UNetGraphs:
         return out.clone()
 
     def _eager_static(self, rows: int) -> torch.Tensor:
-        return self.unet(
-            self.sample[:rows],
-            self.timestep[:rows],
-            encoder_hidden_states=self.context[:rows],
-            return_dict=False,
-        )[0]
+        return unet_forward(
+            self.unet, self.sample[:rows], self.timestep[:rows], self.context[:rows]
+        )
 
 
 def graphed_unet(pipe, height: int, width: int, max_rows: int) -> UNetGraphs | None:
