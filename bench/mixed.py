@@ -10,8 +10,8 @@ sd15`: SD 1.5's shapes at 512x512, `--steps` steps, batches of at most
 load `F+I` runs F closed-loop formula clients (real im2latex images, split over
 `--client-processes` processes) and I image clients (`--image-client-processes`) at the
 same time, for `--duration` s after `--warmup` s. Each load's record gives both sides'
-throughput and latency, each model's device time from Texel's /metrics
-(`texel_device_seconds_total`), and against the loads with one model alone (of this run,
+throughput and latency, each model's device time and mean time in each stage from
+Texel's /metrics (`texel_device_seconds_total`, `texel_stage_duration_seconds`), and against the loads with one model alone (of this run,
 else the latest of the same commit in the results file, of the same sharing where it
 has them) each side's share of its alone throughput and their sum. Records are appended to `--out`
 (`bench/results/<gpu>.jsonl` by default) as each load is measured; a table is printed
@@ -94,14 +94,35 @@ def mixed_closed_loop(
     return pooled
 
 
-def device_seconds(url: str) -> dict[str, float]:
-    """`texel_device_seconds_total` by model, summed over devices."""
-    found: dict[str, float] = {}
+def scrape(url: str) -> dict:
+    """What a load's record takes from Texel's /metrics: `texel_device_seconds_total` by
+    model (summed over devices), and each (model, stage)'s total and count of
+    `texel_stage_duration_seconds`."""
+    device: dict[str, float] = {}
+    stages: dict[str, list[float]] = {}
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         if line.startswith("texel_device_seconds_total{"):
-            model = line.split('model="', 1)[1].split('"', 1)[0]
-            found[model] = found.get(model, 0.0) + float(line.rsplit(" ", 1)[1])
-    return found
+            model = label(line, "model")
+            device[model] = device.get(model, 0.0) + float(line.rsplit(" ", 1)[1])
+        for i, suffix in enumerate(("_sum{", "_count{")):
+            if line.startswith("texel_stage_duration_seconds" + suffix):
+                key = f"{label(line, 'model')} {label(line, 'stage')}"
+                stages.setdefault(key, [0.0, 0.0])[i] += float(line.rsplit(" ", 1)[1])
+    return {"device": device, "stages": stages}
+
+
+def label(line: str, name: str) -> str:
+    return line.split(f'{name}="', 1)[1].split('"', 1)[0]
+
+
+def stage_means(before: dict, after: dict) -> dict[str, float]:
+    """Mean ms of each "model stage" over a load (warm-up included, as the counters run)."""
+    means = {}
+    for key, (total, count) in after["stages"].items():
+        total0, count0 = before["stages"].get(key, (0.0, 0.0))
+        if count > count0:
+            means[key] = round((total - total0) / (count - count0) * 1000, 2)
+    return means
 
 
 def side_summary(result: LoadResult | None) -> dict | None:
@@ -196,7 +217,7 @@ def run(args) -> list[dict]:
         base["env"] = settings_env()
         try:
             for formula_clients, image_clients in args.loads:
-                before = device_seconds(proc.url)
+                before = scrape(proc.url)
                 started = time.perf_counter()
                 results = mixed_closed_loop(
                     proc.url,
@@ -208,7 +229,7 @@ def run(args) -> list[dict]:
                     args.warmup,
                 )
                 wall_s = time.perf_counter() - started
-                after = device_seconds(proc.url)
+                after = scrape(proc.url)
                 record = {
                     **base,
                     "formula_clients": formula_clients,
@@ -217,7 +238,11 @@ def run(args) -> list[dict]:
                     "formula": side_summary(results.get("formula")),
                     "image": side_summary(results.get("image")),
                     # Over warm-up and measurement together, as the counter runs.
-                    "device_s": {m: round(after[m] - before.get(m, 0.0), 3) for m in after},
+                    "device_s": {
+                        m: round(s - before["device"].get(m, 0.0), 3)
+                        for m, s in after["device"].items()
+                    },
+                    "stage_ms": stage_means(before, after),
                     "wall_s": round(wall_s, 2),
                 }
                 record = with_shares(record, alone_figures(records, args.out, args.sharing))
