@@ -11,9 +11,10 @@ load `F+I` runs F closed-loop formula clients (real im2latex images, split over
 `--client-processes` processes) and I image clients (`--image-client-processes`) at the
 same time, for `--duration` s after `--warmup` s. Each load's record gives both sides'
 throughput and latency, each model's device time and mean time in each stage from
-Texel's /metrics (`texel_device_seconds_total`, `texel_stage_duration_seconds`), and against the loads with one model alone (of this run,
-else the latest of the same commit in the results file, of the same sharing where it
-has them) each side's share of its alone throughput and their sum. Records are appended to `--out`
+Texel's /metrics (`texel_device_seconds_total`, `texel_stage_duration_seconds`), and
+against the loads with one model alone (of this run, else the latest of the same commit
+in the results file, of the same sharing where it has them) each side's share of its
+alone throughput and their sum. Records are appended to `--out`
 (`bench/results/<gpu>.jsonl` by default) as each load is measured; a table is printed
 last.
 """
