@@ -86,3 +86,28 @@ def test_school_formulas_take_the_im2latex_style() -> None:
     assert normalize("  ") == ""
     # The split is fixed by the normalized text, so typing style does not move a formula.
     assert is_dev(normalize(r"\frac{1}{2}")) == is_dev(r"\frac { 1 } { 2 }")
+
+
+def test_smaller_copies_shrink_a_share_of_the_pictures_and_keep_their_labels() -> None:
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    from models.formula.preprocess import prepare_strip
+    from training.formula.train import default_spec, smaller_copies
+
+    spec = default_spec()
+    grays = []
+    for i in range(10):
+        picture = Image.new("L", (300, 48), 255)
+        ImageDraw.Draw(picture).text((6, 10), f"x_{i} + y = {i * 7}", fill=0, font_size=26)
+        grays.append(np.asarray(picture))
+    items = [(prepare_strip(Image.fromarray(g), spec), [5, i, 2]) for i, g in enumerate(grays)]
+    copies = smaller_copies(items, grays, 0.5, spec, np.random.default_rng(0), workers=1)
+    assert len(copies) == 5
+    labels = [ids for _, ids in items]
+    for strip, ids in copies:
+        assert ids in labels
+        original = items[labels.index(ids)][0]
+        assert strip.shape[0] == spec.height
+        assert strip.dtype == np.uint8 and strip.min() < 128  # ink survives the shrink
+        assert strip.shape != original.shape or not np.array_equal(strip, original)

@@ -3,13 +3,18 @@
 # (shipped sharing) with a watchdog. When the server has answered nothing for 15 s, every
 # Python process's stacks (py-spy dump, twice, 5 s apart), nvidia-smi and the server's
 # in-flight and queue gauges are written to $OUT/r; then the run is stopped. Packed into
-# $OUT/results.tar.xz; within 330 s.
+# $OUT/results.tar.xz; within 330 s. With RESERVED, engine.sharing.RESERVED_SMS is that
+# instead (recorded as commit COMMIT-reservedRESERVED).
 #   carry: .whl .whlx .gb (bench/device/bundle.sh); the image model moved out of the tree
-#   command: bash bench/device/hang_probe.sh COMMIT
-COMMIT=${1:?usage: bash bench/device/hang_probe.sh COMMIT}
+#   command: bash bench/device/hang_probe.sh COMMIT [RESERVED]
+COMMIT=${1:?usage: bash bench/device/hang_probe.sh COMMIT [RESERVED]}
 T0=$(date +%s)
 source bench/device/step.sh
 prepare "$COMMIT" .whl .whlx
+if [[ -n $2 ]]; then
+    sed -i "s/^RESERVED_SMS = 8$/RESERVED_SMS = $2/" engine/sharing.py
+    export TEXEL_COMMIT=$COMMIT-reserved$2
+fi
 FINAL=$OUT
 OUT=$OUT/r
 mkdir -p $OUT
@@ -17,13 +22,13 @@ L=$OUT/bench.log
 python3 -m bench.mixed --data /tmp/b --model-dir /tmp/sd15 --size sd15 --steps 20 \
     --max-batch-size 128 --image-batch-size 8 --client-processes 4 \
     --image-client-processes 1 --duration 15 --warmup 2 --out $OUT/h200-mixed.jsonl \
-    --loads 0+8,16+8,128+0,128+8,16+8,128+0,0+8,16+8,128+0 > $OUT/mixed.log 2>&1 &
+    --loads 0+8,16+8,128+0,128+8,16+8,128+0,0+8,16+8,128+0,128+8 > $OUT/mixed.log 2>&1 &
 MIXED=$!
 dump() {
     local pid
     for pid in $(pgrep -f python3); do
         echo "##### pid $pid: $(tr '\0' ' ' < /proc/$pid/cmdline | cut -c1-200)"
-        timeout 20 py-spy dump --pid "$pid" 2>&1
+        timeout 20 py-spy dump "$@" --pid "$pid" 2>&1
     done
 }
 last=-1 still=0
@@ -42,7 +47,7 @@ while kill -0 $MIXED 2>/dev/null && (($(date +%s) - T0 < 320)); do
         nvidia-smi > $OUT/smi.txt 2>&1
         dump > $OUT/dump1.txt 2>&1
         sleep 5
-        dump > $OUT/dump2.txt 2>&1
+        dump --native > $OUT/dump2.txt 2>&1
         nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv >> $OUT/smi.txt 2>&1
         tail -200 "$log" > $OUT/server-tail.log
         break

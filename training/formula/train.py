@@ -11,7 +11,9 @@ real images of the train split with formulas rendered on the fly by
 set drawn beforehand by real LaTeX (`training.formula.latex_render`); with `--school`,
 school-mathematics formulas (`training.formula.school`) are rendered beside them and
 their tokens join the vocabulary (appended, so a continued model keeps its ids); every batch
-is padded like a server batch. At the end the dev split is decoded greedily and scored,
+is padded like a server batch. With `--small-share`, a share of the real and
+rendered pictures is also shown smaller (`smaller_copies`), as a screenshot taken at a
+lower resolution gives it. At the end the dev split is decoded greedily and scored,
 and the model is saved (fp16 safetensors, tokenizer, preprocessor and
 generation configs).
 """
@@ -36,9 +38,9 @@ import torch.nn.functional as F
 from PIL import Image
 from tqdm import tqdm
 
-from models.formula.preprocess import FormulaImageSpec, prepare_strip
+from models.formula.preprocess import FormulaImageSpec, decode_image, prepare_strip
 from training.formula import synth
-from training.formula.data import load_strips, read_formulas, split_samples
+from training.formula.data import MAX_PIXELS, load_strips, read_formulas, split_samples
 from training.formula.evaluate import markdown_table, recognize, score
 from training.formula.latex_render import read_rendered
 from training.formula.school import read_formulas as read_school_formulas
@@ -218,9 +220,9 @@ def resize_vocabulary(model, size: int):
 
 def load_rendered(
     paths: str, spec: FormulaImageSpec, tokenizer, workers: int
-) -> list[tuple[np.ndarray, list[int]]]:
+) -> tuple[list[tuple[np.ndarray, list[int]]], list[np.ndarray]]:
     """Pre-rendered LaTeX sets (comma-separated paths) as (strip, token ids), strips made
-    like the real ones'.
+    like the real ones', and the pictures they were made from (the same order).
 
     Formulas with a token outside the vocabulary, or too long, are skipped and counted.
     """
@@ -241,7 +243,42 @@ def load_rendered(
         f"(tokens outside the vocabulary), {too_long} (over {MAX_TOKENS - 1} tokens)",
         flush=True,
     )
-    return [(strip, ids) for strip, (_, ids) in zip(strips, kept, strict=True)]
+    pairs = [(strip, ids) for strip, (_, ids) in zip(strips, kept, strict=True)]
+    return pairs, [gray for gray, _ in kept]
+
+
+# How much smaller a low-resolution screenshot is than the trained scale, and how a
+# screenshot tool or browser may have shrunk it.
+SMALL_FACTORS = (0.4, 0.7)
+SMALL_RESAMPLERS = (Image.Resampling.BOX, Image.Resampling.BILINEAR, Image.Resampling.LANCZOS)
+
+
+def _smaller_strip(spec: FormulaImageSpec, job: tuple[int, np.ndarray]) -> np.ndarray:
+    seed, gray = job
+    rng = np.random.default_rng(seed)
+    image = Image.fromarray(gray)
+    factor = rng.uniform(*SMALL_FACTORS)
+    size = (max(1, round(image.width * factor)), max(1, round(image.height * factor)))
+    resample = SMALL_RESAMPLERS[int(rng.integers(len(SMALL_RESAMPLERS)))]
+    return prepare_strip(image.resize(size, resample), spec)
+
+
+def smaller_copies(
+    items: Sequence[tuple[np.ndarray, list[int]]],
+    grays: Sequence[np.ndarray],
+    share: float,
+    spec: FormulaImageSpec,
+    rng: np.random.Generator,
+    workers: int,
+) -> list[tuple[np.ndarray, list[int]]]:
+    """For a random `share` of `items` (strip, ids), a second strip made from its picture
+    (`grays`, the same order) shrunk to `SMALL_FACTORS` of its size by one of
+    `SMALL_RESAMPLERS`, then prepared as the server prepares an upload."""
+    picks = rng.choice(len(items), size=round(share * len(items)), replace=False).tolist()
+    jobs = [(int(rng.integers(2**31)), grays[i]) for i in picks]
+    with mp.get_context("fork").Pool(max(1, workers)) as pool:
+        strips = pool.map(partial(_smaller_strip, spec), jobs, chunksize=256)
+    return [(strip, items[i][1]) for strip, i in zip(strips, picks, strict=True)]
 
 
 def make_batch(
@@ -357,6 +394,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="with --rendered: share of each batch from that set",
     )
     parser.add_argument(
+        "--small-share",
+        type=float,
+        default=0.0,
+        help="share of the real and rendered pictures also shown at 0.4-0.7 times their "
+        "size, as a second copy (smaller_copies)",
+    )
+    parser.add_argument(
         "--school",
         default="",
         help="k12-formulas folder: render its train formulas too and add their tokens",
@@ -438,12 +482,27 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.pool_capacity,
         school,
     )
+    encoded = [encode_formula(tokenizer, s.formula, MAX_TOKENS) for s in train]
     real = [
         (strip, ids)
-        for strip, s in zip(load_strips(args.data, train, spec), train, strict=True)
-        if (ids := encode_formula(tokenizer, s.formula, MAX_TOKENS))
+        for strip, ids in zip(load_strips(args.data, train, spec), encoded, strict=True)
+        if ids
     ]
-    rendered = load_rendered(args.rendered, spec, tokenizer, args.workers) if args.rendered else []
+    rendered, rendered_grays = [], []
+    if args.rendered:
+        rendered, rendered_grays = load_rendered(args.rendered, spec, tokenizer, args.workers)
+    if args.small_share:
+        images = Path(args.data) / "images"
+        real_grays = [
+            np.asarray(decode_image((images / s.name).read_bytes(), MAX_PIXELS).convert("L"))
+            for s, ids in zip(train, encoded, strict=True)
+            if ids
+        ]
+        real += smaller_copies(real, real_grays, args.small_share, spec, rng, args.workers)
+        rendered += smaller_copies(
+            rendered, rendered_grays, args.small_share, spec, rng, args.workers
+        )
+        print(f"smaller copies: {len(real) + len(rendered)} real and rendered strips", flush=True)
     dev_strips = load_strips(args.data, dev, spec)
     dev_refs = [s.formula for s in dev]
     print(f"real strips loaded in {time.perf_counter() - started:.0f} s", flush=True)
