@@ -46,7 +46,7 @@ Sharing = Literal["priority", "off"]
 DEFAULT_SHARING: Sharing = "priority"
 # SMs a shared device keeps from its models that are not latency-sensitive (green contexts
 # take SMs in groups of 8 on current GPUs, so the partition is rounded down to one).
-RESERVED_SMS = 8
+RESERVED_SMS = 32
 SM_GROUP = 8
 
 

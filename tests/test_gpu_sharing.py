@@ -109,7 +109,7 @@ async def test_each_policy_puts_each_models_gpu_work_on_its_own_lane(policy, for
 
 def test_on_a_shared_gpu_a_model_that_is_not_latency_sensitive_leaves_sms_to_the_others():
     cuda = FakeCuda()
-    assert sharing.lane("priority", GPU, False, cuda, shared=True).sms == 120  # 124, in 8s
+    assert sharing.lane("priority", GPU, False, cuda, shared=True).sms == 96  # 100, in 8s
     assert sharing.lane("priority", GPU, True, cuda, shared=True).sms is None
     assert sharing.lane("priority", GPU, False, cuda, shared=False).sms is None
     assert sharing.lane("off", GPU, False, cuda, shared=True).sms is None
@@ -123,7 +123,7 @@ async def test_an_engine_of_two_models_confines_the_one_that_is_not_latency_sens
     engine = Engine(GPU, [plan(formula), plan(Recorder("image", threads))], "priority", cuda)
     await engine.start()
     await engine.close()
-    assert cuda.sms == [None, 120]  # loaded in the order of the plans
+    assert cuda.sms == [None, 96]  # loaded in the order of the plans
     alone = FakeCuda()
     engine = Engine(GPU, [plan(Recorder("image", threads))], "priority", alone)
     await engine.start()

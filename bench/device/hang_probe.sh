@@ -12,7 +12,7 @@ T0=$(date +%s)
 source bench/device/step.sh
 prepare "$COMMIT" .whl .whlx
 if [[ -n $2 ]]; then
-    sed -i "s/^RESERVED_SMS = 8$/RESERVED_SMS = $2/" engine/sharing.py
+    sed -i "s/^RESERVED_SMS = [0-9]*$/RESERVED_SMS = $2/" engine/sharing.py
     export TEXEL_COMMIT=$COMMIT-reserved$2
 fi
 FINAL=$OUT
