@@ -446,7 +446,7 @@ def test_a_snapshot_harvested_late_reports_each_row_once(tiny_model) -> None:
     )
     pixels = _pixels(3, 128, seed=5)
     alone = [decoder.decode(pixels[i : i + 1])[0].tolist() for i in range(3)]
-    short = 8  # one run: a row with this limit has ended at the first snapshot
+    short = decoder.steps_per_check  # a row with this limit has ended after one run
     (a,) = decoder.admit(pixels[:1], max_new_tokens=short)
     (b,) = decoder.admit(pixels[1:2])
     decoder.run()
@@ -584,3 +584,21 @@ def test_a_stream_answers_each_request_with_its_solo_tokens(tiny_model_dir, ahea
     recognizer.runner(cpu).stream(feed)
     assert feed.answers == {i: [tokens] for i, tokens in enumerate(alone)}
     assert recognizer._decoders["cpu"].running == 0
+
+
+def test_on_a_cpu_a_finished_row_is_seen_after_the_step_that_ends_it(tiny_model) -> None:
+    """A CPU reads row state without waiting for a device, so every run is one check: a
+    row leaves (and its slot is free for a new one) after its last token, not after the
+    rest of a run of CHECK_EVERY steps."""
+    decoder = StaticGreedyDecoder(
+        tiny_model, max_batch_size=1, max_new_tokens=MAX_NEW_TOKENS, max_source_len=128
+    )
+    assert decoder.steps_per_check == 1
+    (slot,) = decoder.admit(_pixels(1, 128, seed=7), max_new_tokens=3)
+    runs = 0
+    while decoder.running:
+        decoder.run()
+        runs += 1
+        finished = decoder.harvest()
+    assert runs == 3 and list(finished) == [slot]
+    assert decoder.free_slots == 1

@@ -392,7 +392,7 @@ class FormulaRecognizer(Model):
         return ids
 
     def _stream(self, decoder: StaticGreedyDecoder, feed) -> None:
-        """Continuous batching on `decoder`: at every check (`CHECK_EVERY` steps) new
+        """Continuous batching on `decoder`: at every check (`steps_per_check` steps) new
         requests join free rows, finished rows answer at once, rows whose clients went
         away are dropped.
 

@@ -15,10 +15,10 @@ positions from a device tensor and advances them in place, so its kernels take
 the same arguments every time; on CUDA one step per batch-size bucket is
 captured as a CUDA graph and each later step is one `replay()`. Greedy argmax,
 the EOS/limit bookkeeping and padding after a row's end happen inside the step,
-so Python only synchronizes every `CHECK_EVERY` steps to see which rows are
-done. A graph holds `steps_per_run` consecutive steps (on CUDA all
-`CHECK_EVERY`), so one `replay()` (one Python call, one grab of the GIL that
-the event loop also wants) runs them all.
+so on CUDA Python only synchronizes every `CHECK_EVERY` steps to see which rows are
+done (on a CPU, where looking costs nothing, after every step). A graph holds
+`steps_per_run` consecutive steps (on CUDA all `CHECK_EVERY`), so one `replay()` (one
+Python call, one grab of the GIL that the event loop also wants) runs them all.
 On a CPU the same step runs eagerly, one at a time; it still skips
 `generate()`'s per-step overhead. With a bf16 model there, the KV cache and attention
 stay fp32 and the step's weights are reordered once for oneDNN (`_Projection`), which
@@ -191,6 +191,11 @@ class StaticGreedyDecoder:
         self.steps_per_run = steps_per_run or (CHECK_EVERY if self.use_cuda_graphs else 1)
         if CHECK_EVERY % self.steps_per_run:
             raise ValueError(f"steps_per_run must divide {CHECK_EVERY}")
+        # Steps between two looks at which rows are done (and two chances for new rows to
+        # join). On CUDA a look waits for the device, so it comes every CHECK_EVERY steps;
+        # on a CPU it waits for nothing, so it comes after every run: a finished row
+        # stops costing steps and a new one joins without waiting out the others' steps.
+        self.steps_per_check = CHECK_EVERY if self.device.type == "cuda" else self.steps_per_run
         # Encoder inputs padded to a batch bucket (few shapes, one graph each); on a
         # CPU there is no per-shape cost and padded rows would be real work.
         self.pad_encoder_rows = (
@@ -319,7 +324,7 @@ class StaticGreedyDecoder:
             steps = 0
             while steps < limit:
                 self.run()
-                steps += CHECK_EVERY
+                steps += self.steps_per_check
                 if bool(self.finished[index].all()) or should_stop():
                     break
             rows = self._rows(slots, stopped_after=min(steps, limit))
@@ -384,7 +389,7 @@ class StaticGreedyDecoder:
         return slots
 
     def run(self) -> None:
-        """`CHECK_EVERY` steps of every occupied slot (and the free ones below the
+        """`steps_per_check` steps of every occupied slot (and the free ones below the
         highest, which idle)."""
         if not self._live:
             return
@@ -392,7 +397,7 @@ class StaticGreedyDecoder:
         rows = max(self._live) + 1
         bucket = self._bucket_of(rows) if self.use_cuda_graphs else rows
         run = self._runner(bucket)  # captures first if warmup() did not
-        for _ in range(CHECK_EVERY // self.steps_per_run):
+        for _ in range(self.steps_per_check // self.steps_per_run):
             run()
 
     @torch.inference_mode()
@@ -732,8 +737,8 @@ class _Projection:
 
     `blocked` (a bf16 model on a CPU with oneDNN): the weight is reordered once into
     oneDNN's blocked layout, which `F.linear` would do again on every call; for the one
-    to sixteen rows of a CPU step that halves the time of the step's 37 multiplies (2-core
-    AMD EPYC: 0.67 against 1.35 ms for 36 of them), with the same bf16 results.
+    to sixteen rows of a CPU step that about halves the time of the step's multiplies
+    (training/formula/NOTES.md), with the same bf16 results.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, blocked: bool) -> None:
