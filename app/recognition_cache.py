@@ -25,6 +25,7 @@ MIB = 1 << 20
 class CachedRecognition:
     latex: str
     compact: str
+    confidence: float | None
 
 
 def _size(key: bytes, answer: CachedRecognition) -> int:
@@ -79,13 +80,13 @@ class RecognitionCache:
             self._entries.move_to_end(key)
         return answer
 
-    def put(self, key: bytes, latex: str, compact: str) -> int:
+    def put(self, key: bytes, latex: str, compact: str, confidence: float | None = None) -> int:
         """Store an answer as the most recently used, dropping the least recently used
         ones until the cache is within its budget; how many were dropped. An answer larger
         than the whole budget is not stored."""
         if not self.enabled:
             return 0
-        answer = CachedRecognition(latex, compact)
+        answer = CachedRecognition(latex, compact, confidence)
         size = _size(key, answer)
         if size > self.max_bytes:
             return 0

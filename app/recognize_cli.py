@@ -80,7 +80,7 @@ def error(code: str, message: str) -> dict[str, Any]:
 
 
 class Recognizer(ABC):
-    """Where the images go: `recognize` answers `{"latex", "latex_compact"}` or
+    """Where the images go: `recognize` answers `{"latex", "latex_compact", "confidence"}` or
     `{"error": {"code", "message"}}`, never raises for one image."""
 
     concurrency: int
@@ -139,7 +139,11 @@ class ServerRecognizer(Recognizer):
         except ValueError:
             body = {}
         if response.status_code == 200:
-            return {"latex": body["latex"], "latex_compact": body["latex_compact"]}
+            return {
+                "latex": body["latex"],
+                "latex_compact": body["latex_compact"],
+                "confidence": body.get("confidence"),
+            }
         if isinstance(body, dict) and isinstance(body.get("error"), dict):
             return error(body["error"]["code"], body["error"]["message"])
         return error("http_error", f"{self.url} answered {response.status_code}")
@@ -202,7 +206,11 @@ class LocalRecognizer(Recognizer):
         except Exception as exc:
             failure = to_api_error(exc)
             return error(failure.code, failure.message)
-        return {"latex": recognized.latex, "latex_compact": recognized.compact}
+        return {
+            "latex": recognized.latex,
+            "latex_compact": recognized.compact,
+            "confidence": recognized.confidence,
+        }
 
 
 async def recognize_all(

@@ -267,6 +267,7 @@ async def recognize(request: Request) -> Response:
                 body = RecognizeResponse(
                     latex=cached.latex,
                     latex_compact=cached.compact,
+                    confidence=cached.confidence,
                     model=model,
                     batch_size=0,
                     timings_ms=trace.timings_ms,
@@ -278,12 +279,13 @@ async def recognize(request: Request) -> Response:
             request, runtime.serve("formula", data, trace)
         )
         if key is not None:
-            evicted = cache.put(key, recognized.latex, recognized.compact)
+            evicted = cache.put(key, recognized.latex, recognized.compact, recognized.confidence)
             if evicted:
                 metrics.RECOGNITION_CACHE_EVICTIONS.labels(model).inc(evicted)
         body = RecognizeResponse(
             latex=recognized.latex,
             latex_compact=recognized.compact,
+            confidence=recognized.confidence,
             model=model,
             batch_size=result.batch_size,
             timings_ms=trace.timings_ms,

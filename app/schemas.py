@@ -37,6 +37,12 @@ class RecognizeJSON(BaseModel):
 class RecognizeResponse(BaseModel):
     latex: str = Field(description="Normalized LaTeX, tokens separated by spaces.")
     latex_compact: str = Field(description="The same LaTeX without the separating spaces.")
+    confidence: float | None = Field(
+        None,
+        description="How sure the model was of this answer, from 0 to 1: the geometric mean "
+        "of the probabilities of the tokens it chose. Not a calibrated chance of being right: "
+        "low values mark readings to check. null for a picture with no ink.",
+    )
     model: str = Field(description="The model that answered.")
     batch_size: int = Field(
         description="Size of the batch this request ran in; 0 for an answer from the cache."

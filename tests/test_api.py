@@ -32,6 +32,17 @@ def test_recognize_accepts_a_multipart_upload_and_reports_its_stages(server):
     assert set(body["timings_ms"]) == STAGES
 
 
+def test_recognize_says_how_sure_it_is_and_nothing_for_a_picture_without_ink(server):
+    blank = io.BytesIO()
+    Image.new("RGB", (160, 48), "white").save(blank, "PNG")
+    with server.client() as client:
+        read = client.post("/recognize", files={"image": ("f.png", formula_png(), "image/png")})
+        empty = client.post("/recognize", files={"image": ("b.png", blank.getvalue(), "image/png")})
+    assert read.status_code == empty.status_code == 200, (read.text, empty.text)
+    assert 0 < read.json()["confidence"] <= 1
+    assert (empty.json()["latex"], empty.json()["confidence"]) == ("", None)
+
+
 def test_recognize_accepts_base64_json(server):
     encoded = base64.b64encode(formula_png()).decode()
     with server.client() as client:

@@ -25,6 +25,11 @@ def _generate(model, pixels: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         )
 
 
+def _tokens(finished: dict) -> dict[int, list[int]]:
+    """`harvest()`'s rows as {slot: tokens}."""
+    return {slot: row.tokens for slot, row in finished.items()}
+
+
 def _pixels(batch: int, width: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(batch, 1, 32, width, generator=generator)
@@ -46,7 +51,7 @@ def _assert_same(
     )
     decoder.warmup()
     expected = _generate(model, pixels, max_new_tokens)
-    got = decoder.decode(pixels, max_new_tokens=max_new_tokens)
+    got = decoder.decode(pixels, max_new_tokens=max_new_tokens).tokens
     assert got.dtype == torch.long and got.device.type == "cpu"
     assert torch.equal(got, expected), f"\nstatic:   {got.tolist()}\ngenerate: {expected.tolist()}"
 
@@ -212,7 +217,7 @@ def test_should_stop_ends_early_with_a_prefix_of_generate(tiny_model) -> None:
     decoder = StaticGreedyDecoder(
         tiny_model, max_batch_size=4, max_new_tokens=MAX_NEW_TOKENS, max_source_len=128
     )
-    got = decoder.decode(pixels, should_stop=lambda: True)
+    got = decoder.decode(pixels, should_stop=lambda: True).tokens
     expected = _generate(tiny_model, pixels, MAX_NEW_TOKENS)
     assert got.shape[1] <= 9
     assert torch.equal(got, expected[:, : got.shape[1]])
@@ -297,7 +302,7 @@ def test_default_model_matches_generate_on_real_images() -> None:
     expected = _generate(model, pixels, max_new_tokens)
     generate_s = time.perf_counter() - started
     started = time.perf_counter()
-    got = decoder.decode(pixels)
+    got = decoder.decode(pixels).tokens
     static_s = time.perf_counter() - started
     print(
         f"\n8 real images, width {pixels.shape[-1]}, {expected.shape[1]} tokens: "
@@ -365,10 +370,12 @@ def test_encoder_rows_padded_to_a_batch_bucket_decode_the_same(tiny_model_dir) -
         )
         for pad in (False, True)
     ]
-    plain, padded = (decoder.decode(groups) for decoder in decoders)
+    plain, padded = (decoder.decode(groups).tokens for decoder in decoders)
     assert decoders[1].pad_encoder_rows and not decoders[1].use_cuda_graphs
     assert torch.equal(plain, padded)
-    solo = [decoders[0].decode(group[i : i + 1]) for group in groups for i in range(len(group))]
+    solo = [
+        decoders[0].decode(group[i : i + 1]).tokens for group in groups for i in range(len(group))
+    ]
     width = max(row.shape[1] for row in solo)
     for i, row in enumerate(solo):
         assert torch.equal(padded[i, : row.shape[1]], row[0]), f"row {i}"
@@ -412,7 +419,7 @@ def test_rows_joining_a_running_decode_get_their_solo_tokens(tiny_model, variant
     )
     arrivals = [_pixels(3, 256, seed=7), _pixels(2, 128, seed=8), _pixels(4, 64, seed=9)]
     rows = [group[i : i + 1] for group in arrivals for i in range(group.shape[0])]
-    solo = [decoder.decode(row)[0].tolist() for row in rows]
+    solo = [decoder.decode(row).tokens[0].tolist() for row in rows]
     pad = model.generation_config.pad_token_id
     solo = [row[: max(i for i, t in enumerate(row) if t != pad) + 1] for row in solo]
     assert len(set(map(tuple, solo))) > 1, "rows must differ"
@@ -431,8 +438,8 @@ def test_rows_joining_a_running_decode_get_their_solo_tokens(tiny_model, variant
             del waiting[: len(join)]
         most = max(most, decoder.running)
         decoder.run()
-        for slot, tokens in decoder.harvest().items():
-            got[slot_of.pop(slot)] = tokens
+        for slot, row in decoder.harvest().items():
+            got[slot_of.pop(slot)] = row.tokens
     assert most == 4 and joined_running >= 1, "rows joined a running decode"
     for i, expected in enumerate(solo):
         assert got[i] == expected, f"row {i}:\njoined: {got[i]}\nalone:  {expected}"
@@ -445,7 +452,7 @@ def test_a_snapshot_harvested_late_reports_each_row_once(tiny_model) -> None:
         tiny_model, max_batch_size=3, max_new_tokens=MAX_NEW_TOKENS, max_source_len=128
     )
     pixels = _pixels(3, 128, seed=5)
-    alone = [decoder.decode(pixels[i : i + 1])[0].tolist() for i in range(3)]
+    alone = [decoder.decode(pixels[i : i + 1]).tokens[0].tolist() for i in range(3)]
     short = decoder.steps_per_check  # a row with this limit has ended after one run
     (a,) = decoder.admit(pixels[:1], max_new_tokens=short)
     (b,) = decoder.admit(pixels[1:2])
@@ -453,7 +460,7 @@ def test_a_snapshot_harvested_late_reports_each_row_once(tiny_model) -> None:
     first = decoder.snapshot()
     decoder.run()  # the run queued before the older snapshot is harvested
     second = decoder.snapshot()
-    assert decoder.harvest(first) == {a: alone[0][: short + 1]}
+    assert _tokens(decoder.harvest(first)) == {a: alone[0][: short + 1]}
     assert decoder.harvest(first) == {}, "a harvested row is reported once"
     (c,) = decoder.admit(pixels[2:3], max_new_tokens=short)
     assert c == a, "the freed slot is refilled"
@@ -461,7 +468,7 @@ def test_a_snapshot_harvested_late_reports_each_row_once(tiny_model) -> None:
     decoder.run()
     third = decoder.snapshot()
     decoder.release([b])
-    assert decoder.harvest(third) == {c: alone[2][: short + 1]}, "a released row is not"
+    assert _tokens(decoder.harvest(third)) == {c: alone[2][: short + 1]}, "a released row is not"
     assert decoder.running == 0
 
 
@@ -470,7 +477,7 @@ def test_a_released_row_frees_its_slot_and_leaves_the_others_alone(tiny_model) -
         tiny_model, max_batch_size=2, max_new_tokens=MAX_NEW_TOKENS, max_source_len=128
     )
     pixels = _pixels(2, 128, seed=3)
-    alone = decoder.decode(pixels[1:])[0].tolist()
+    alone = decoder.decode(pixels[1:]).tokens[0].tolist()
     first, second = decoder.admit(pixels)
     decoder.run()
     decoder.release([first])
@@ -480,7 +487,7 @@ def test_a_released_row_frees_its_slot_and_leaves_the_others_alone(tiny_model) -
     got = {}
     while decoder.running:
         decoder.run()
-        got.update(decoder.harvest())
+        got.update(_tokens(decoder.harvest()))
     assert got[third] == alone[: len(got[third])] and got[second] == alone[: len(got[second])]
     with pytest.raises(ValueError, match="max_batch_size=2 with 2 rows running"):
         decoder.admit(pixels)
@@ -499,7 +506,7 @@ def test_a_failed_decode_leaves_every_slot_free(tiny_model) -> None:
     with pytest.raises(RuntimeError, match="out of memory"):
         decoder.decode(pixels, should_stop=fail)
     assert decoder.running == 0 and decoder.free_slots == 2
-    assert torch.equal(decoder.decode(pixels), _generate(tiny_model, pixels, MAX_NEW_TOKENS))
+    assert torch.equal(decoder.decode(pixels).tokens, _generate(tiny_model, pixels, MAX_NEW_TOKENS))
 
 
 def test_a_failed_stream_leaves_every_slot_free(tiny_model_dir) -> None:
@@ -602,3 +609,68 @@ def test_on_a_cpu_a_finished_row_is_seen_after_the_step_that_ends_it(tiny_model)
         finished = decoder.harvest()
     assert runs == 3 and list(finished) == [slot]
     assert decoder.free_slots == 1
+
+
+def _generated_logprobs(model, pixels: torch.Tensor) -> list[float]:
+    """Per row, the summed log-probability `generate()` gives its tokens, its end included."""
+    eos = model.generation_config.eos_token_id
+    with torch.inference_mode():
+        out = model.generate(
+            pixel_values=pixels,
+            num_beams=1,
+            do_sample=False,
+            max_new_tokens=MAX_NEW_TOKENS,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        scores = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+    sums = []
+    for tokens, row in zip(out.sequences[:, 1:].tolist(), scores, strict=True):
+        count = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+        sums.append(float(row[:count].sum()))
+    return sums
+
+
+def test_each_row_carries_the_log_probability_generate_gives_its_tokens(tiny_model) -> None:
+    pixels = _pixels(3, 64, seed=11)
+    decoder = StaticGreedyDecoder(
+        tiny_model, max_batch_size=3, max_new_tokens=MAX_NEW_TOKENS, max_source_len=TINY_SOURCE_LEN
+    )
+    expected = _generated_logprobs(tiny_model, pixels)
+    assert all(value < 0 for value in expected)
+    assert decoder.decode(pixels).logprob.tolist() == pytest.approx(expected, abs=1e-4)
+
+    # A row that joins a running decode scores its own tokens only, as it would alone.
+    (first,) = decoder.admit(pixels[:1])
+    decoder.run()
+    (second,) = decoder.admit(pixels[1:2])
+    got: dict[int, float] = {}
+    while decoder.running:
+        decoder.run()
+        got.update({slot: row.logprob for slot, row in decoder.harvest().items()})
+    assert [got[first], got[second]] == pytest.approx(expected[:2], abs=1e-4)
+
+
+def test_both_decoders_answer_with_the_same_confidence(tiny_model_dir) -> None:
+    """The static decoder and `generate()` read the same tokens with the same
+    probabilities, so they report the same confidence, between 0 and 1."""
+    from models.formula.adapter import FormulaInput, FormulaRecognizer
+
+    cpu = torch.device("cpu")
+    answers = {}
+    for decoder in ("static", "generate"):
+        recognizer = FormulaRecognizer(str(tiny_model_dir), [cpu], decoder=decoder)
+        recognizer.open()
+        recognizer.load(cpu)
+        recognizer.warmup(cpu, max_batch_size=2)
+        assert recognizer.uses_static_decoder(cpu) == (decoder == "static")
+        rng = np.random.default_rng(2)
+        run = recognizer.runner(cpu)
+        strips = [rng.integers(0, 256, (recognizer.spec.height, 64), dtype=np.uint8) for _ in "ab"]
+        answers[decoder] = run([FormulaInput(strip, 64) for strip in strips], lambda: False)
+    static, generate = answers["static"], answers["generate"]
+    assert [t.token_ids for t in static] == [t.token_ids for t in generate]
+    assert all(0 < t.confidence <= 1 for t in static)
+    assert [t.confidence for t in static] == pytest.approx(
+        [t.confidence for t in generate], rel=1e-4
+    )

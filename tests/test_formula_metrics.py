@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from training.formula.data import is_dev
-from training.formula.evaluate import corpus_bleu, edit_distance, normalized_edit_distance, score
+from training.formula.evaluate import (
+    auroc,
+    corpus_bleu,
+    edit_distance,
+    normalized_edit_distance,
+    score,
+)
 from training.formula.synth import FormulaComposer, mathtext_source
 from training.formula.tokenizer import (
     build_tokenizer,
@@ -121,3 +127,10 @@ def test_scores_by_length_put_each_formula_in_its_bin() -> None:
         ("20-39", "1", "0.0%"),
         ("120+", "1", "100.0%"),
     ]
+
+
+def test_confidence_auroc_is_the_chance_a_right_answer_is_surer_than_a_wrong_one():
+    assert auroc([0.9, 0.8], [0.1, 0.2]) == 1.0
+    assert auroc([0.1], [0.9]) == 0.0
+    assert auroc([0.5, 0.9], [0.5, 0.1]) == pytest.approx((1 + 0.5 + 1 + 1) / 4)
+    assert auroc([], [0.3]) is None and auroc([0.3], []) is None

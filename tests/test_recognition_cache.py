@@ -86,7 +86,7 @@ def test_the_same_image_again_is_answered_from_the_cache_as_it_was_computed(serv
     computed = recognize(server.url, data).json()
     cached = recognize(server.url, data).json()
     assert (computed["cached"], cached["cached"]) == (False, True)
-    fields = ("latex", "latex_compact", "model")
+    fields = ("latex", "latex_compact", "confidence", "model")
     assert {f: cached[f] for f in fields} == {f: computed[f] for f in fields}
 
 

@@ -9,6 +9,7 @@ and cost, run a batch on a device, postprocess one result.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ class FormulaTokens:
 
     token_ids: list[int]
     decode_s: float  # the batch's decode time divided by its longest output
+    confidence: float | None = None  # see `confidence()`; None where nothing was read
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,15 @@ class Recognized:
     latex: str
     tokens: int
     compact: str = ""
+    confidence: float | None = None
+
+
+def confidence(logprob: float, generated: int) -> float:
+    """How sure the model was of its answer: the geometric mean of the probabilities of
+    the tokens it chose, its end token included (exp of their mean log-probability).
+
+    Not a calibrated probability of being right; low values mark readings to check."""
+    return math.exp(logprob / max(generated, 1))
 
 
 class _StopWhen(StoppingCriteria):
@@ -259,11 +270,16 @@ class FormulaRecognizer(Model):
             text = self.tokenizer.decode(tokens.token_ids, skip_special_tokens=True)
         metrics.OUTPUT_TOKENS.labels(self.name).observe(len(tokens.token_ids))
         metrics.TIME_PER_OUTPUT_TOKEN.labels(self.name).observe(tokens.decode_s)
-        return Recognized(" ".join(text.split()), len(tokens.token_ids))
+        return Recognized(" ".join(text.split()), len(tokens.token_ids), "", tokens.confidence)
 
     def finish(self, recognized: Recognized) -> Recognized:
         """The compact form beside the spaced one (the `postprocess` stage)."""
-        return Recognized(recognized.latex, recognized.tokens, compact_latex(recognized.latex))
+        return Recognized(
+            recognized.latex,
+            recognized.tokens,
+            compact_latex(recognized.latex),
+            recognized.confidence,
+        )
 
     # -- internals -----------------------------------------------------------
 
@@ -314,13 +330,16 @@ class FormulaRecognizer(Model):
         started = time.perf_counter()
         with out_of_memory_as_batching_error(), torch.inference_mode():
             if decoder is not None and len(batch) <= decoder.max_batch_size:
-                ids = self._decode_static(decoder, batch, should_stop, max_new_tokens)
+                ids, sure = self._decode_static(decoder, batch, should_stop, max_new_tokens)
             else:
-                ids = self._decode_generate(device, batch, should_stop, max_new_tokens)
+                ids, sure = self._decode_generate(device, batch, should_stop, max_new_tokens)
         elapsed = time.perf_counter() - started
         per_row = [self._content(row) for row in ids]
         longest = max((len(r) for r in per_row), default=1) or 1
-        return [FormulaTokens(row, elapsed / longest) for row in per_row]
+        return [
+            FormulaTokens(row, elapsed / longest, value)
+            for row, value in zip(per_row, sure, strict=True)
+        ]
 
     def _pixels(
         self, items: list[FormulaInput], device: str, staging: torch.Tensor | None = None
@@ -381,15 +400,19 @@ class FormulaRecognizer(Model):
 
     def _decode_static(
         self, decoder: StaticGreedyDecoder, batch, should_stop, max_new_tokens
-    ) -> list[list[int]]:
-        """Each bucket of a merged batch encoded at its own width, decoded together."""
+    ) -> tuple[list[list[int]], list[float]]:
+        """Each bucket of a merged batch encoded at its own width, decoded together: each
+        item's tokens and confidence, in the batch's order."""
         pixels, order, _ = self.upload(decoder, batch)
         output = decoder.decode(pixels, max_new_tokens=max_new_tokens, should_stop=should_stop)
-        rows = output.tolist()
         ids: list[list[int]] = [[] for _ in batch]
-        for row, i in zip(rows, order, strict=True):
-            ids[i] = row
-        return ids
+        sure = [0.0] * len(batch)
+        rows = zip(
+            output.tokens.tolist(), output.logprob.tolist(), output.generated, order, strict=True
+        )
+        for row, logprob, generated, i in rows:
+            ids[i], sure[i] = row, confidence(logprob, generated)
+        return ids, sure
 
     def _stream(self, decoder: StaticGreedyDecoder, feed) -> None:
         """Continuous batching on `decoder`: at every check (`steps_per_check` steps) new
@@ -424,8 +447,13 @@ class FormulaRecognizer(Model):
                     answers: list[tuple[int, Any]] = []
                     for slot, row in finished.items():
                         key, joined = rows.pop(slot)
-                        per_token = (now - joined) / max(len(row) - 1, 1)
-                        answers.append((key, FormulaTokens(self._content(row), per_token)))
+                        generated = len(row.tokens) - 1  # after the start token
+                        tokens = FormulaTokens(
+                            self._content(row.tokens),
+                            (now - joined) / max(generated, 1),
+                            confidence(row.logprob, generated),
+                        )
+                        answers.append((key, tokens))
                     gone = set(feed.cancelled([key for key, _ in rows.values()]))
                     if gone:
                         slots = [slot for slot, (key, _) in rows.items() if key in gone]
@@ -470,15 +498,37 @@ class FormulaRecognizer(Model):
         """A decoded row without its special tokens (start, end, padding)."""
         return [t for t in row if t not in self._special_ids]
 
-    def _decode_generate(self, device: str, batch, should_stop, max_new_tokens) -> list[list[int]]:
-        output = self._models[device].generate(
+    def _decode_generate(
+        self, device: str, batch, should_stop, max_new_tokens
+    ) -> tuple[list[list[int]], list[float]]:
+        """`generate()`'s tokens for each item, and its confidence in them."""
+        model = self._models[device]
+        output = model.generate(
             pixel_values=self._pixels(batch, device),
             max_new_tokens=max_new_tokens or self.max_new_tokens,
             num_beams=self.num_beams,
             do_sample=False,
             stopping_criteria=StoppingCriteriaList([_StopWhen(should_stop)]),
+            output_scores=True,
+            return_dict_in_generate=True,
         )
-        return output.tolist()
+        ids = output.sequences.tolist()
+        if self.num_beams > 1:  # each beam's mean token log-probability (length penalty 1)
+            return ids, [math.exp(v) for v in output.sequences_scores.float().tolist()]
+        scores = model.compute_transition_scores(
+            output.sequences, output.scores, normalize_logits=True
+        ).float()
+        eos = set(_token_ids(model.generation_config.eos_token_id))
+        sure = []
+        for row, logprobs in zip(ids, scores.tolist(), strict=True):
+            generated = row[1:]
+            count = next((i + 1 for i, t in enumerate(generated) if t in eos), len(generated))
+            sure.append(confidence(sum(logprobs[:count]), count))
+        return ids, sure
+
+
+def _token_ids(value: int | list[int] | None) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
 class _PinnedBuffers:

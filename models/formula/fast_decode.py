@@ -261,6 +261,8 @@ class StaticGreedyDecoder:
         self.finished = torch.ones(batch, device=device, dtype=torch.bool)
         self.finished_at = torch.zeros(batch, device=device, dtype=torch.long)
         self.output = torch.full((batch, cache_len), self.pad_id, device=device, dtype=torch.long)
+        # Per row: the summed log-probability of the tokens it chose (its confidence).
+        self.logprob = torch.zeros(batch, device=device, dtype=torch.float32)
         # Host side: occupied slots, each one's source length, and an upper bound of
         # each one's position (eager attention reads only that far).
         self._live: set[int] = set()
@@ -276,6 +278,9 @@ class StaticGreedyDecoder:
         self._host_states = [
             torch.empty((batch, cache_len + 2), dtype=torch.long, pin_memory=pinned)
             for _ in range(3)
+        ]
+        self._host_logprobs = [
+            torch.empty(batch, dtype=torch.float32, pin_memory=pinned) for _ in range(3)
         ]
         self._host_turn = 0
 
@@ -307,8 +312,9 @@ class StaticGreedyDecoder:
         *,
         max_new_tokens: int | None = None,
         should_stop: Callable[[], bool] = lambda: False,
-    ) -> torch.Tensor:
-        """Greedy tokens [batch, T] on the CPU, start token first, as `generate()` returns them.
+    ) -> Decoded:
+        """Greedy tokens [batch, T] on the CPU, start token first, as `generate()` returns
+        them, and each row's summed log-probability [batch].
 
         `pixel_values` is one batch, or a list of consecutive row groups each padded to
         its own width: each group is encoded alone and its rows attend only to their own
@@ -330,11 +336,12 @@ class StaticGreedyDecoder:
             rows = self._rows(slots, stopped_after=min(steps, limit))
         finally:  # an error (out of memory) leaves every slot free for the next batch
             self.release(slots)
-        width = max(len(row) for row in rows)
+        width = max(len(row.tokens) for row in rows)
         out = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         for i, row in enumerate(rows):
-            out[i, : len(row)] = torch.tensor(row)
-        return out
+            out[i, : len(row.tokens)] = torch.tensor(row.tokens)
+        logprob = torch.tensor([row.logprob for row in rows])
+        return Decoded(out, logprob, [len(row.tokens) - 1 for row in rows])
 
     @torch.inference_mode()
     def admit(
@@ -382,6 +389,7 @@ class StaticGreedyDecoder:
         self.finished.index_fill_(0, index, False)
         self.output.index_fill_(0, index, self.pad_id)
         self.output[:, 0].index_fill_(0, index, self.start_id)
+        self.logprob.index_fill_(0, index, 0.0)
         for slot in slots:
             self._slot_steps[slot] = 0
             self._epoch[slot] += 1
@@ -409,6 +417,7 @@ class StaticGreedyDecoder:
         """
         rows = max(self._live, default=-1) + 1
         host = self._host_states[self._host_turn]
+        logprobs = self._host_logprobs[self._host_turn]
         self._host_turn = (self._host_turn + 1) % len(self._host_states)
         ready = None
         if rows:
@@ -416,15 +425,17 @@ class StaticGreedyDecoder:
             columns = [self.finished[:rows, None].long(), self.finished_at[:rows, None]]
             torch.cat([*columns, self.output[:rows]], dim=1, out=state)
             host[:rows].copy_(state, non_blocking=host.is_pinned())
+            logprobs[:rows].copy_(self.logprob[:rows], non_blocking=host.is_pinned())
             if host.is_pinned():
                 ready = torch.cuda.Event()
                 ready.record()
-        return Snapshot(host[:rows], ready, {slot: self._epoch[slot] for slot in self._live})
+        live = {slot: self._epoch[slot] for slot in self._live}
+        return Snapshot(host[:rows], logprobs[:rows], ready, live)
 
     @torch.inference_mode()
-    def harvest(self, snapshot: Snapshot | None = None) -> dict[int, list[int]]:
-        """The rows that had finished by `snapshot` (default: now), {slot: tokens, start
-        token first}; frees their slots.
+    def harvest(self, snapshot: Snapshot | None = None) -> dict[int, Finished]:
+        """The rows that had finished by `snapshot` (default: now), {slot: its tokens,
+        start token first, and their summed log-probability}; frees their slots.
 
         A row harvested or released since the snapshot, or a slot refilled since, is
         not reported. Waits for the snapshot's copy, not for later work.
@@ -432,12 +443,14 @@ class StaticGreedyDecoder:
         if snapshot is None:
             snapshot = self.snapshot()
         state = snapshot.host().numpy()
+        logprobs = snapshot.logprobs.tolist()
         done = {}
         for slot in np.flatnonzero(state[:, 0]).tolist():
             epoch = snapshot.rows.get(slot)
             if epoch is not None and epoch == self._epoch[slot] and slot in self._live:
                 end = int(state[slot, 1])
-                done[slot] = state[slot, 2 : end + 4].tolist()
+                tokens = state[slot, 2 : end + 4].tolist()
+                done[slot] = Finished(tokens, logprobs[slot])
         self._live.difference_update(done)
         return done
 
@@ -471,13 +484,21 @@ class StaticGreedyDecoder:
             return index
         return index.pin_memory().to(self.device, non_blocking=True)
 
-    def _rows(self, slots: list[int], stopped_after: int) -> list[list[int]]:
-        """Each slot's tokens so far: through its EOS (or limit), or `stopped_after` steps."""
-        state = self.snapshot().host().tolist()
-        return [
-            tokens[: end + 2] if finished else tokens[: stopped_after + 1]
-            for finished, end, *tokens in (state[slot] for slot in slots)
-        ]
+    def _rows(self, slots: list[int], stopped_after: int) -> list[Finished]:
+        """Each slot's tokens so far: through its EOS (or limit), or `stopped_after` steps;
+        and their summed log-probability."""
+        snapshot = self.snapshot()
+        state, logprobs = snapshot.host().tolist(), snapshot.logprobs.tolist()
+        rows = []
+        for slot in slots:
+            finished, end, *tokens = state[slot]
+            rows.append(
+                Finished(
+                    tokens[: end + 2] if finished else tokens[: stopped_after + 1],
+                    logprobs[slot],
+                )
+            )
+        return rows
 
     def _load_sources_side_by_side(
         self, groups: list[torch.Tensor], parts: list[list[int]], ready: torch.cuda.Event | None
@@ -658,7 +679,11 @@ class StaticGreedyDecoder:
         for i, layer in enumerate(self.decoder.layers):
             hidden = self._layer(i, layer, hidden, rows, self_mask, write, source_len)
         logits = self.lm_projection(hidden[:, 0]).float()
-        chosen = torch.where(finished, self.pad_id, logits.argmax(dim=-1))
+        best = logits.argmax(dim=-1)
+        chosen = torch.where(finished, self.pad_id, best)
+        # log softmax at the chosen token, without the whole log softmax
+        logprob = logits.gather(1, best[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+        self.logprob[:rows].add_(logprob.masked_fill_(finished, 0.0))
         is_eos = (chosen[:, None] == self.eos_ids).any(dim=-1)
         # The row's token count after this one; at its limit it ends like an EOS.
         ends = is_eos | (positions + 1 >= self.limits[:rows])
@@ -797,11 +822,30 @@ def _fused_projection(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor | Non
 
 
 @dataclass(frozen=True)
+class Finished:
+    """A row's tokens, start token first, through its end token (or its limit)."""
+
+    tokens: list[int]
+    logprob: float  # the sum of the log-probabilities of the tokens it chose
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """What `decode()` returns: rows of tokens as `generate()` gives them, and per row
+    the summed log-probability of its tokens."""
+
+    tokens: torch.Tensor  # [batch, T], start token first, padded after each row's end
+    logprob: torch.Tensor  # [batch]
+    generated: list[int]  # per row, the tokens it generated, its end token included
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """Every running row's state at one point of the device's queue (see `snapshot()`)."""
 
     state: torch.Tensor  # host [rows, 2 + cache], per slot [finished, finished_at, *output]
-    ready: torch.cuda.Event | None  # recorded after the copy (CUDA); None: already there
+    logprobs: torch.Tensor  # host [rows], per slot the summed log-probability of its tokens
+    ready: torch.cuda.Event | None  # recorded after the copies (CUDA); None: already there
     rows: dict[int, int]  # slot -> the epoch of the row it held
 
     def host(self) -> torch.Tensor:

@@ -216,25 +216,42 @@ def recognize_served(
     adapter: its image decoding, its decoder (the static one where it applies) in the
     dtype `TEXEL_DTYPE=dtype` gives, batches of similar width as its batcher merges them."""
     recognizer, run = served_runner(model_dir, device, dtype, batch_size, bucket_step)
-    return transcribe(recognizer, run, recognizer.preprocessor, images, batch_size)[0]
+    return transcribe(recognizer, run, recognizer.preprocessor, images, batch_size).latex
+
+
+@dataclass(frozen=True)
+class Transcribed:
+    latex: list[str]
+    preprocess_ms: list[float]
+    confidence: list[float | None]  # as `POST /recognize` answers it
 
 
 def transcribe(
     recognizer, run, preprocessor: FormulaPreprocessor, images: Sequence[bytes], batch_size: int
-) -> tuple[list[str], list[float]]:
+) -> Transcribed:
     """Transcriptions of uploads by a loaded recognizer's runner, each upload preprocessed
-    by `preprocessor`, and the preprocessing wall time of each in milliseconds."""
+    by `preprocessor`, the preprocessing wall time of each and the model's confidence."""
     items, times = [], []
     for data in images:
         start = time.perf_counter()
         items.append(preprocessor(data))
         times.append((time.perf_counter() - start) * 1000)
     out = [""] * len(items)
+    sure: list[float | None] = [None] * len(items)
     for indices in width_batches([item.width for item in items], batch_size):
         batch = [items[i] for i in indices]
         for i, tokens in zip(indices, run(batch, lambda: False), strict=True):
-            out[i] = recognizer.detokenize(tokens).latex
-    return out, times
+            out[i], sure[i] = recognizer.detokenize(tokens).latex, tokens.confidence
+    return Transcribed(out, times, sure)
+
+
+def auroc(right: Sequence[float], wrong: Sequence[float]) -> float | None:
+    """The chance that a right answer has a higher confidence than a wrong one (ties count
+    half): 0.5 says nothing, 1.0 separates them perfectly. None without both kinds."""
+    if not right or not wrong:
+        return None
+    a, b = np.asarray(right)[:, None], np.asarray(wrong)[None, :]
+    return float((a > b).mean() + 0.5 * (a == b).mean())
 
 
 def _png(image: Image.Image) -> bytes:
@@ -300,18 +317,35 @@ def variants_table(
     """Scores and preprocessing time per picture variant (those named in `only`, else
     every one), as a markdown table."""
     lines = [
-        "| picture | BLEU-4 | edit distance | exact | preprocess ms (median / max) |",
-        "|---|---:|---:|---:|---:|",
+        "| picture | BLEU-4 | edit distance | exact | preprocess ms (median / max) "
+        "| confidence, median | confidence AUROC |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
+    pooled: dict[bool, list[float]] = {True: [], False: []}
     for name, make in VARIANTS.items():
         if only and name not in only:
             continue
         uploads = [make(image) for image in originals]
-        hypotheses, times = transcribe(recognizer, run, preprocessor, uploads, batch_size)
-        s = score(references, hypotheses)
+        got = transcribe(recognizer, run, preprocessor, uploads, batch_size)
+        s = score(references, got.latex)
+        sure = {True: [], False: []}
+        for reference, latex, value in zip(references, got.latex, got.confidence, strict=True):
+            sure[latex == reference].append(0.0 if value is None else value)
+        pooled[True] += sure[True]
+        pooled[False] += sure[False]
+        separation = auroc(sure[True], sure[False])
+        times = got.preprocess_ms
         lines.append(
             f"| {name} | {s.bleu4:.3f} | {s.edit_distance:.3f} | {s.exact_match:.1%} "
-            f"| {statistics.median(times):.1f} / {max(times):.1f} |"
+            f"| {statistics.median(times):.1f} / {max(times):.1f} "
+            f"| {statistics.median(sure[True] + sure[False]):.3f} "
+            f"| {'-' if separation is None else f'{separation:.3f}'} |"
+        )
+    separation = auroc(pooled[True], pooled[False])
+    if separation is not None:
+        lines.append(
+            f"\nConfidence AUROC over every picture above: {separation:.3f} (how often an "
+            "exact answer is surer than a wrong one)."
         )
     return "\n".join(lines)
 
@@ -478,7 +512,8 @@ def school_evaluation(
     for style in styles:
         pictures = school_pictures([source for _, source in formulas], style, seed)
         drawn = [(f, p) for (f, _), p in zip(formulas, pictures, strict=True) if p is not None]
-        hypotheses, _ = transcribe(recognizer, run, preprocessor, [p for _, p in drawn], batch_size)
+        uploads = [p for _, p in drawn]
+        hypotheses = transcribe(recognizer, run, preprocessor, uploads, batch_size).latex
         rows.append((style, [f for f, _ in drawn], hypotheses))
     return "\n".join([*notes, school_table(rows, len(formulas))])
 

@@ -84,7 +84,7 @@ def transcribe(model, tokenizer, spec, strips, width: int = 0, mask: bool = True
             padded = width or bucket_width(max(s.shape[1] for s in group), spec, 64)
             pixels = torch.from_numpy(pad_and_normalize(group, padded, spec)).to(model.dtype)
             decoder.content_widths = [s.shape[1] for s in group]
-            ids = decoder.decode(pixels)
+            ids = decoder.decode(pixels).tokens
             texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
             for i, text in zip(indices, texts, strict=True):
                 out[i] = normalize_spacing(text)
