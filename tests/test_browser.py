@@ -121,6 +121,7 @@ def test_a_chosen_formula_picture_is_answered_in_the_box_and_rendered_by_katex(t
     answered(tab)
     assert page.input_value("#latex") == expected["latex"]
     assert page.text_content("#latex-compact") == expected["latex_compact"]
+    assert f"confidence {expected['confidence']:.2f} " in page.text_content("#formula-meta")
     assert page.locator("#preview .katex").count() == 1
     annotation = page.locator("#preview annotation[encoding='application/x-tex']")
     assert annotation.text_content() == expected["latex"]

@@ -275,8 +275,10 @@ async function recognize(file) {
     ? "Recognized."
     : "No formula found in this picture (the model answered an empty LaTeX).";
   const how = answer.cached ? "answered from the cache" : `in a batch of ${answer.batch_size}`;
+  // How sure the model was (not a chance of being right): low values deserve a look.
+  const sure = answer.confidence == null ? "" : `, confidence ${answer.confidence.toFixed(2)}`;
   $("formula-meta").textContent =
-    `Took ${milliseconds(took)}, ${how} ` +
+    `Took ${milliseconds(took)}, ${how}${sure} ` +
     `(model ${answer.model}; server stages: ${stagesText(answer.timings_ms)}).`;
 }
 
