@@ -34,6 +34,7 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 EFFICIENCY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 TOKEN_BUCKETS = (1, 5, 10, 20, 40, 60, 80, 120, 160, 240, 320, 512)
 PER_TOKEN_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25)
+CONFIDENCE_BUCKETS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.925, 0.95, 0.975, 1.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 STAGE_DURATION = Histogram(
@@ -99,6 +100,14 @@ OUTPUT_TOKENS = Histogram(
     "Tokens generated per recognized formula.",
     ["model"],
     buckets=TOKEN_BUCKETS,
+    registry=REGISTRY,
+)
+CONFIDENCE = Histogram(
+    "texel_confidence",
+    "How sure the model was of each answer it read (the geometric mean of its tokens' "
+    "probabilities): a falling median says the pictures sent are getting harder to read.",
+    ["model"],
+    buckets=CONFIDENCE_BUCKETS,
     registry=REGISTRY,
 )
 TIME_PER_OUTPUT_TOKEN = Histogram(

@@ -157,6 +157,7 @@ def test_metrics_expose_stage_histograms_batches_and_padding(server):
     assert "texel_batch_size_bucket" in text
     assert 'texel_queue_depth{model="formula"}' in text
     assert 'texel_padding_efficiency_count{model="formula"}' in text
+    assert 'texel_confidence_count{model="formula"}' in text
 
 
 def test_metrics_speak_openmetrics_with_exemplars_when_asked(server):

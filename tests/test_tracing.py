@@ -55,7 +55,8 @@ def test_each_request_has_its_stage_spans_under_the_callers_trace(traced_server)
     url, exporter = traced_server
     exporter.clear()
     traceparent = f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"
-    assert recognize(url, {"traceparent": traceparent}).status_code == 200
+    response = recognize(url, {"traceparent": traceparent})
+    assert response.status_code == 200
     spans = [
         s
         for s in exporter.get_finished_spans()
@@ -71,6 +72,8 @@ def test_each_request_has_its_stage_spans_under_the_callers_trace(traced_server)
         if span.name in STAGES:
             assert span.parent.span_id == server_span.context.span_id, span.name
             assert span.attributes["gen_ai.request.model"] == "formula"
+    tokenize = next(s for s in spans if s.name == "tokenize")
+    assert tokenize.attributes["texel.confidence"] == round(response.json()["confidence"], 4)
 
 
 def test_a_batch_span_links_every_member_and_each_generate_links_back(traced_server):

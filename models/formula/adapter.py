@@ -218,7 +218,10 @@ class FormulaRecognizer(Model):
         if stage == "preprocess":
             return {"texel.input.width": value.width, "texel.bucket": value.bucket}
         if stage == "tokenize":
-            return {"gen_ai.usage.output_tokens": value.tokens}
+            attributes = {"gen_ai.usage.output_tokens": value.tokens}
+            if value.confidence is not None:
+                attributes["texel.confidence"] = round(value.confidence, 4)
+            return attributes
         return {}
 
     def bucket(self, item: FormulaInput) -> int:
@@ -269,6 +272,8 @@ class FormulaRecognizer(Model):
         with self._tokenizer_lock:  # fast tokenizers are not safe to share across threads
             text = self.tokenizer.decode(tokens.token_ids, skip_special_tokens=True)
         metrics.OUTPUT_TOKENS.labels(self.name).observe(len(tokens.token_ids))
+        if tokens.confidence is not None:
+            metrics.CONFIDENCE.labels(self.name).observe(tokens.confidence)
         metrics.TIME_PER_OUTPUT_TOKEN.labels(self.name).observe(tokens.decode_s)
         return Recognized(" ".join(text.split()), len(tokens.token_ids), "", tokens.confidence)
 
