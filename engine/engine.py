@@ -210,6 +210,17 @@ class Engine:
             states[key] = state
         return states
 
+    def hung(self) -> list[str]:
+        """What a model whose device work has shown no progress for twice its plan's
+        `stall_s` says of it: a call that long has most likely hung, not slowed down."""
+        return [
+            f"the {key} model's work on {self.name} has shown no progress for {stalled:.0f} s"
+            for key, served in self._served.items()
+            if served.state.state == "ready"
+            and served.batcher is not None
+            and (stalled := served.batcher.stalled_s()) > 2 * served.plan.stall_s
+        ]
+
     def model(self, key: str) -> Model:
         """The loaded model `key` (its payload and output types, for the protocol)."""
         served = self._get(key)

@@ -9,6 +9,7 @@ ones and exits; when its launcher dies it exits too.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import gc
 import logging
 import os
@@ -174,6 +175,7 @@ async def _serve(
     log.info("engine on %s listens on %s", device, path)
     loading = engine.start()
     memory = loop.create_task(_record_memory(device))
+    watchdog = loop.create_task(end_when_hung(engine))
     stopping = loop.create_task(stop.wait())
     await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
     if loading.done():
@@ -185,8 +187,25 @@ async def _serve(
     log.info("engine on %s draining", device)
     await engine.drain(drain_s)
     memory.cancel()
+    watchdog.cancel()
     server.close()
     await engine.close()
+
+
+# The exit status of an engine process that ended itself because its device work hung.
+HUNG_EXIT = 70
+
+
+async def end_when_hung(engine: Engine, every_s: float = 1.0, end=os._exit) -> None:
+    """End this process once a model's device work has hung (`Engine.hung`): the call
+    never returns, and only a fresh process gets the device back. The launcher starts
+    one, as for an engine that died, and the requests in flight fail at once; the log
+    gets why and every thread's stack."""
+    while not (hung := engine.hung()):
+        await asyncio.sleep(every_s)
+    log.error("engine on %s ends for a restart: %s", engine.name, "; ".join(hung))
+    faulthandler.dump_traceback(all_threads=True)
+    end(HUNG_EXIT)
 
 
 async def _record_memory(device: torch.device, every_s: float = 1.0) -> None:

@@ -21,7 +21,7 @@ from engine import (
     UnknownModel,
     protocol,
 )
-from engine.process import EngineServer
+from engine.process import HUNG_EXIT, EngineServer, end_when_hung
 from models.base import DeviceRunner, Model
 from models.formula.preprocess import FormulaInput
 from models.image.adapter import GeneratedImages, ImageJob
@@ -184,6 +184,28 @@ async def test_a_model_whose_batch_shows_no_progress_is_reported_stalled_until_i
         assert engine.states()["double"].state == "ready"
     finally:
         model.release.set()
+        await engine.close()
+
+
+async def test_an_engine_process_whose_device_work_hangs_ends_itself_for_a_restart():
+    model = Doubler()
+    model.release.clear()  # its batch hangs until released
+    engine = await ready_engine(model, stall_s=0.5, max_wait_s=0.0)
+    ended: list[int] = []
+    watchdog = asyncio.ensure_future(end_when_hung(engine, every_s=0.02, end=ended.append))
+    try:
+        await asyncio.sleep(0.1)
+        assert not ended, "an idle engine is not hung"
+        answer = asyncio.ensure_future(engine.submit("double", 4, timeout_s=10))
+        await until(lambda: engine.states()["double"].state == "stalled")
+        assert not ended, "stalled is reported first; the process ends at twice the limit"
+        await asyncio.wait_for(watchdog, 5)
+        assert ended == [HUNG_EXIT]
+        assert "no progress" in engine.hung()[0]
+    finally:
+        model.release.set()
+        watchdog.cancel()
+        await answer
         await engine.close()
 
 
