@@ -248,14 +248,21 @@ class Runtime:
             self._load[engine.name] -= cost
             self._inflight -= 1
         self._record(trace, model, value, result, submitted_ns)
-        output = await self._stages(model, model.response_stages(), result.value, trace)
+        stages = model.response_stages()
+        output = await self._stages(model, stages, result.value, trace, model.quick_response)
         return output, result
 
-    async def _stages(self, model: Model, stages, value: Any, trace: RequestTrace) -> Any:
+    async def _stages(
+        self, model: Model, stages, value: Any, trace: RequestTrace, inline: bool = False
+    ) -> Any:
+        """The stages in order, each on the thread pool, or with `inline` on the loop."""
         loop = asyncio.get_running_loop()
         for name, step in stages:
             with trace.stage(name) as span:
-                value = await loop.run_in_executor(self.pool, step, value)
+                if inline:
+                    value = step(value)
+                else:
+                    value = await loop.run_in_executor(self.pool, step, value)
                 for attribute, attribute_value in model.span_attributes(name, value).items():
                     span.set_attribute(attribute, attribute_value)
         return value

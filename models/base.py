@@ -9,7 +9,9 @@ A `Model` is used on two sides of the engine protocol, like LitServe's `LitAPI`:
 - In an HTTP process, which holds no weights: `open`, `attach(description)`, then per
   request the `request_stages` (an upload or a JSON body to a payload) and, once the
   engine answers, the `response_stages` (the engine's output to the route's result).
-  Each stage runs on a thread pool and is traced and timed under its name.
+  Each stage runs on a thread pool and is traced and timed under its name; response
+  stages that take microseconds (`quick_response`) run on the event loop instead, so an
+  answer does not queue behind other requests' milliseconds of preprocessing.
 
 Payloads and outputs cross the engine protocol: they are dataclasses or msgspec structs
 of plain values and numpy arrays, with `payload_type` and `output_type` naming them.
@@ -62,6 +64,9 @@ class Model(ABC):
     # Requests that are short and waited for (formulas): on a GPU shared with other
     # models its work goes first (`engine.sharing`).
     latency_sensitive: ClassVar[bool] = False
+    # Response stages that take microseconds (detokenizing): they run on the event loop,
+    # not queued in the thread pool behind other requests' preprocessing.
+    quick_response: ClassVar[bool] = False
 
     def __init__(self, source: str, name: str) -> None:
         self.source = source

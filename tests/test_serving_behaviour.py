@@ -202,3 +202,41 @@ def test_json_logs_are_one_object_a_line_with_the_request_trace_id(start_server)
     assert all({"time", "level", "logger", "message"} <= set(e) for e in entries)
     access = [e for e in entries if "POST /recognize" in e["message"]]
     assert access and access[0]["trace_id"] == trace_id and len(access[0]["span_id"]) == 16
+
+
+def test_a_formulas_answer_does_not_queue_behind_preprocessing_in_the_http_process(tiny_models):
+    """Detokenizing takes microseconds: a read formula is answered while the HTTP
+    process's preprocessing thread is still busy with other work."""
+    from app.launcher import single_process_app
+    from app.settings import Settings
+    from tests.server import serving_in_thread
+
+    settings = Settings(
+        device="cpu",
+        formula={"model": str(tiny_models["formula"]), "cache_mb": 0},
+        image={"enabled": False, "model": str(tiny_models["image"])},
+        advanced={"preprocess_threads": 1},
+    )
+    app = single_process_app(settings)
+    busy = threading.Event()
+    with serving_in_thread(app) as url:
+        runtime = app.state.runtime
+        model = runtime.models["formula"]
+        preprocess = model.preprocess
+
+        def preprocess_then_occupy_the_thread(data: bytes):
+            payload = preprocess(data)
+            runtime.pool.submit(busy.wait, 30)  # runs on the one thread once this returns
+            return payload
+
+        model.preprocess = preprocess_then_occupy_the_thread
+        try:
+            started = time.monotonic()
+            files = {"image": ("f.png", formula_png(), "image/png")}
+            response = httpx.post(url + "/recognize", files=files, timeout=60)
+            took = time.monotonic() - started
+        finally:
+            busy.set()
+            model.preprocess = preprocess
+    assert response.status_code == 200, response.text
+    assert took < 20, f"answered after {took:.1f} s: behind the busy thread"

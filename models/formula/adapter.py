@@ -116,6 +116,7 @@ class FormulaRecognizer(Model):
     payload_type = FormulaInput
     output_type = FormulaTokens
     latency_sensitive = True
+    quick_response = True  # detokenizing a formula and compacting it: tens of microseconds
     # Whether a stream queues the next run before harvesting the last (None: on CUDA,
     # where the device runs asynchronously; on a CPU it only delays the harvest).
     stream_ahead: bool | None = None
