@@ -681,8 +681,8 @@ class StaticGreedyDecoder:
         logits = self.lm_projection(hidden[:, 0]).float()
         best = logits.argmax(dim=-1)
         chosen = torch.where(finished, self.pad_id, best)
-        # log softmax at the chosen token, without the whole log softmax
-        logprob = logits.gather(1, best[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+        # Each running row's summed log-probability of its tokens: the answer's confidence.
+        logprob = logits.log_softmax(dim=-1).gather(1, best[:, None])[:, 0]
         self.logprob[:rows].add_(logprob.masked_fill_(finished, 0.0))
         is_eos = (chosen[:, None] == self.eos_ids).any(dim=-1)
         # The row's token count after this one; at its limit it ends like an EOS.
