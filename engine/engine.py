@@ -202,11 +202,9 @@ class Engine:
         states = {}
         for key, served in self._served.items():
             state = served.state
-            if state.state == "ready" and served.batcher is not None:
-                stalled_s = served.batcher.stalled_s()
-                if stalled_s > served.plan.stall_s:
-                    why = f"its work on {self.name} has shown no progress for {stalled_s:.0f} s"
-                    state = ModelState("stalled", why, state.description)
+            if (silent := self._silent_s(served)) > served.plan.stall_s:
+                why = f"its work on {self.name} has shown no progress for {silent:.0f} s"
+                state = ModelState("stalled", why, state.description)
             states[key] = state
         return states
 
@@ -214,12 +212,17 @@ class Engine:
         """What a model whose device work has shown no progress for twice its plan's
         `stall_s` says of it: a call that long has most likely hung, not slowed down."""
         return [
-            f"the {key} model's work on {self.name} has shown no progress for {stalled:.0f} s"
+            f"the {key} model's work on {self.name} has shown no progress for {silent:.0f} s"
             for key, served in self._served.items()
-            if served.state.state == "ready"
-            and served.batcher is not None
-            and (stalled := served.batcher.stalled_s()) > 2 * served.plan.stall_s
+            if (silent := self._silent_s(served)) > 2 * served.plan.stall_s
         ]
+
+    @staticmethod
+    def _silent_s(served: _Served) -> float:
+        """How long a ready model's device work has shown no progress (0 otherwise)."""
+        if served.state.state != "ready" or served.batcher is None:
+            return 0.0
+        return served.batcher.stalled_s()
 
     def model(self, key: str) -> Model:
         """The loaded model `key` (its payload and output types, for the protocol)."""

@@ -638,7 +638,8 @@ def test_each_row_carries_the_log_probability_generate_gives_its_tokens(tiny_mod
     )
     expected = _generated_logprobs(tiny_model, pixels)
     assert all(value < 0 for value in expected)
-    assert decoder.decode(pixels).logprob.tolist() == pytest.approx(expected, abs=1e-4)
+    rows = decoder.decode(pixels).rows
+    assert [row.logprob for row in rows] == pytest.approx(expected, abs=1e-4)
 
     # A row that joins a running decode scores its own tokens only, as it would alone.
     (first,) = decoder.admit(pixels[:1])

@@ -37,7 +37,7 @@ from models.devices import (
     resolve_dtype,
     side_stream,
 )
-from models.formula.fast_decode import StaticGreedyDecoder
+from models.formula.fast_decode import StaticGreedyDecoder, token_ids
 from models.formula.preprocess import (
     FormulaImageSpec,
     FormulaInput,
@@ -413,11 +413,8 @@ class FormulaRecognizer(Model):
         output = decoder.decode(pixels, max_new_tokens=max_new_tokens, should_stop=should_stop)
         ids: list[list[int]] = [[] for _ in batch]
         sure = [0.0] * len(batch)
-        rows = zip(
-            output.tokens.tolist(), output.logprob.tolist(), output.generated, order, strict=True
-        )
-        for row, logprob, generated, i in rows:
-            ids[i], sure[i] = row, confidence(logprob, generated)
+        for row, i in zip(output.rows, order, strict=True):
+            ids[i], sure[i] = row.tokens, confidence(row.logprob, row.generated)
         return ids, sure
 
     def _stream(self, decoder: StaticGreedyDecoder, feed) -> None:
@@ -453,11 +450,10 @@ class FormulaRecognizer(Model):
                     answers: list[tuple[int, Any]] = []
                     for slot, row in finished.items():
                         key, joined = rows.pop(slot)
-                        generated = len(row.tokens) - 1  # after the start token
                         tokens = FormulaTokens(
                             self._content(row.tokens),
-                            (now - joined) / max(generated, 1),
-                            confidence(row.logprob, generated),
+                            (now - joined) / max(row.generated, 1),
+                            confidence(row.logprob, row.generated),
                         )
                         answers.append((key, tokens))
                     gone = set(feed.cancelled([key for key, _ in rows.values()]))
@@ -524,17 +520,13 @@ class FormulaRecognizer(Model):
         scores = model.compute_transition_scores(
             output.sequences, output.scores, normalize_logits=True
         ).float()
-        eos = set(_token_ids(model.generation_config.eos_token_id))
+        eos = set(token_ids(model.generation_config.eos_token_id))
         sure = []
         for row, logprobs in zip(ids, scores.tolist(), strict=True):
             generated = row[1:]
             count = next((i + 1 for i, t in enumerate(generated) if t in eos), len(generated))
             sure.append(confidence(sum(logprobs[:count]), count))
         return ids, sure
-
-
-def _token_ids(value: int | list[int] | None) -> list[int]:
-    return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
 class _PinnedBuffers:

@@ -119,7 +119,8 @@ def _batch_buckets(max_batch_size: int) -> list[int]:
     return sorted(buckets)
 
 
-def _as_list(value: int | list[int] | None) -> list[int]:
+def token_ids(value: int | list[int] | None) -> list[int]:
+    """A generation setting that names one token id, several or none, as a list."""
     if value is None:
         return []
     return list(value) if isinstance(value, list | tuple) else [int(value)]
@@ -147,7 +148,7 @@ class StaticGreedyDecoder:
         start = generation.decoder_start_token_id
         if start is None:
             start = model.config.decoder_start_token_id
-        return isinstance(start, int) and bool(_as_list(generation.eos_token_id))
+        return isinstance(start, int) and bool(token_ids(generation.eos_token_id))
 
     def __init__(
         self,
@@ -205,7 +206,7 @@ class StaticGreedyDecoder:
         generation = model.generation_config
         start = generation.decoder_start_token_id
         self.start_id = int(start if start is not None else model.config.decoder_start_token_id)
-        eos = _as_list(generation.eos_token_id)
+        eos = token_ids(generation.eos_token_id)
         pad = generation.pad_token_id
         self.pad_id = int(eos[0] if pad is None else pad)
 
@@ -314,7 +315,7 @@ class StaticGreedyDecoder:
         should_stop: Callable[[], bool] = lambda: False,
     ) -> Decoded:
         """Greedy tokens [batch, T] on the CPU, start token first, as `generate()` returns
-        them, and each row's summed log-probability [batch].
+        them, and each row as it finished (its own tokens and their log-probability).
 
         `pixel_values` is one batch, or a list of consecutive row groups each padded to
         its own width: each group is encoded alone and its rows attend only to their own
@@ -340,8 +341,7 @@ class StaticGreedyDecoder:
         out = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         for i, row in enumerate(rows):
             out[i, : len(row.tokens)] = torch.tensor(row.tokens)
-        logprob = torch.tensor([row.logprob for row in rows])
-        return Decoded(out, logprob, [len(row.tokens) - 1 for row in rows])
+        return Decoded(out, rows)
 
     @torch.inference_mode()
     def admit(
@@ -828,15 +828,19 @@ class Finished:
     tokens: list[int]
     logprob: float  # the sum of the log-probabilities of the tokens it chose
 
+    @property
+    def generated(self) -> int:
+        """The tokens it generated, its end token included (all but the start token)."""
+        return len(self.tokens) - 1
+
 
 @dataclass(frozen=True)
 class Decoded:
-    """What `decode()` returns: rows of tokens as `generate()` gives them, and per row
-    the summed log-probability of its tokens."""
+    """What `decode()` returns: rows of tokens as `generate()` gives them, and each row
+    as it finished."""
 
     tokens: torch.Tensor  # [batch, T], start token first, padded after each row's end
-    logprob: torch.Tensor  # [batch]
-    generated: list[int]  # per row, the tokens it generated, its end token included
+    rows: list[Finished]
 
 
 @dataclass(frozen=True)

@@ -330,7 +330,8 @@ def variants_table(
         s = score(references, got.latex)
         sure = {True: [], False: []}
         for reference, latex, value in zip(references, got.latex, got.confidence, strict=True):
-            sure[latex == reference].append(0.0 if value is None else value)
+            exact = latex_tokens(latex) == latex_tokens(reference)  # as `score` judges it
+            sure[exact].append(0.0 if value is None else value)
         pooled[True] += sure[True]
         pooled[False] += sure[False]
         separation = auroc(sure[True], sure[False])
