@@ -3,7 +3,7 @@
 # (shipped sharing) with a watchdog. When the server has answered nothing for 15 s, every
 # Python process's stacks (py-spy dump, twice, 5 s apart), nvidia-smi and the server's
 # in-flight and queue gauges are written to $OUT/r; then the run is stopped. Packed into
-# $OUT/results.tar.xz; within 330 s. With RESERVED, engine.sharing.RESERVED_SMS is that
+# $OUT/results.tar.xz; within PROBE_S (320) + 10 s. LOADS replaces the loads. With RESERVED, engine.sharing.RESERVED_SMS is that
 # instead (recorded as commit COMMIT-reservedRESERVED).
 #   carry: .whl .whlx .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/hang_probe.sh COMMIT [RESERVED]
@@ -22,7 +22,7 @@ L=$OUT/bench.log
 python3 -m bench.mixed --data /tmp/b --model-dir /tmp/sd15 --size sd15 --steps 20 \
     --max-batch-size 128 --image-batch-size 8 --client-processes 4 \
     --image-client-processes 1 --duration 15 --warmup 2 --out $OUT/h200-mixed.jsonl \
-    --loads 0+8,16+8,128+0,128+8,16+8,128+0,0+8,16+8,128+0,128+8 > $OUT/mixed.log 2>&1 &
+    --loads ${LOADS:-0+8,16+8,128+0,128+8,16+8,128+0,0+8,16+8,128+0,128+8} > $OUT/mixed.log 2>&1 &
 MIXED=$!
 dump() {
     local pid
@@ -32,7 +32,7 @@ dump() {
     done
 }
 last=-1 still=0
-while kill -0 $MIXED 2>/dev/null && (($(date +%s) - T0 < 320)); do
+while kill -0 $MIXED 2>/dev/null && (($(date +%s) - T0 < ${PROBE_S:-320})); do
     sleep 3
     log=$(ls -t /tmp/texel-test-*.log 2>/dev/null | head -1)
     [[ -n $log ]] || continue
