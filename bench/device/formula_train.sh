@@ -9,7 +9,7 @@ shift $(( $# < 5 ? $# : 5 ))
 T0=$(date +%s)
 (
     set -x
-    CUDA_VISIBLE_DEVICES=$GPU timeout $(python3 -c "print(int($MINUTES * 60 + 90))") \
+    CUDA_VISIBLE_DEVICES=$GPU timeout $(python3 -c "print(int($MINUTES * 60 + 150))") \
         python3 -m training.formula.train \
         --data /tmp/d/im2latex-val --init-from models/formula/default --out /tmp/fm \
         --steps 100000 --max-minutes "$MINUTES" --batch-size 256 --lr "$LR" --warmup 100 \
