@@ -19,6 +19,7 @@ FINAL=$OUT
 OUT=$OUT/r
 mkdir -p $OUT
 L=$OUT/bench.log
+touch /tmp/hang-probe-start  # the server's log is the one written after this
 python3 -m bench.mixed --data /tmp/b --model-dir /tmp/sd15 --size sd15 --steps 20 \
     --max-batch-size 128 --image-batch-size 8 --client-processes 4 \
     --image-client-processes 1 --duration 15 --warmup 2 --out $OUT/h200-mixed.jsonl \
@@ -34,7 +35,7 @@ dump() {
 last=-1 still=0
 while kill -0 $MIXED 2>/dev/null && (($(date +%s) - T0 < ${PROBE_S:-320})); do
     sleep 3
-    log=$(ls -t /tmp/texel-test-*.log 2>/dev/null | head -1)
+    log=$(find /tmp -maxdepth 1 -name 'texel-test-*.log' -newer /tmp/hang-probe-start | head -1)
     [[ -n $log ]] || continue
     count=$(grep -c "POST /" "$log")
     if ((count > 0 && count == last)); then still=$((still + 3)); else still=0; fi
