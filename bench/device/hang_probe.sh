@@ -54,7 +54,7 @@ while kill -0 $MIXED 2>/dev/null && (($(date +%s) - T0 < ${PROBE_S:-320})); do
         break
     fi
 done
-kill $MIXED 2>/dev/null; sleep 2; pkill -f "texel" ; pkill -f bench.mixed
+kill $MIXED 2>/dev/null; sleep 2; pkill -f "app.cli serve"; pkill -f bench.mixed  # not "texel": the call's own command line may hold it
 echo "=== done at $(($(date +%s) - T0))s" >> $L
 grep -E "^\|" $OUT/mixed.log >> $L
 cat $L
