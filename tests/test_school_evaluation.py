@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.backends import ensure_backend, unavailable
 from training.formula import evaluate, school
 from training.formula.evaluate import SchoolStyle
 
@@ -41,7 +42,35 @@ def test_every_style_is_unseen_by_training():
 
     latex_fonts = {s.font for s in evaluate.SCHOOL_STYLES if s.renderer == "latex"}
     assert latex_fonts and not latex_fonts & set(TRAIN_FONTS)
-    assert {s.renderer for s in evaluate.SCHOOL_STYLES} == {"latex", "mathtext"}
+    assert {s.renderer for s in evaluate.SCHOOL_STYLES} == {"latex", "katex", "mathtext"}
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    """Debian's Chromium, unpacked as for the browser tests, with Playwright to drive it."""
+    launcher = ensure_backend("chromium.sh")
+    try:
+        import playwright  # noqa: F401
+    except ImportError:
+        unavailable("playwright is not installed: pip install -e '.[dev]'")
+    return str(launcher)
+
+
+@pytest.mark.timeout(300)
+def test_katex_pictures_are_sized_by_their_em_and_a_formula_katex_refuses_is_left_out(
+    chromium,
+):
+    small = evaluate.school_pictures(
+        [*TYPED, r"\frac{1}{"], SchoolStyle("katex", "main", 15), seed=3, chromium=chromium
+    )
+    large = evaluate.school_pictures(
+        TYPED[:1], SchoolStyle("katex", "main", 30), seed=3, chromium=chromium
+    )
+    assert all(small[:3]) and small[3] is None
+    assert 1.7 < ink_height(large[0]) / ink_height(small[0]) < 2.3
+    with Image.open(io.BytesIO(small[1])) as picture:  # dark ink on white paper
+        gray = np.asarray(picture.convert("L"))
+    assert gray[0, 0] == 255 and gray.min() < 64
 
 
 @needs_matplotlib

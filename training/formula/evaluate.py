@@ -20,8 +20,10 @@ scores school maths in several styles (`SCHOOL_STYLES`): 300
 formulas drawn at random from the whole school dev split (`school.split_formulas`;
 `school_dev`: the same 300 on every run and machine, whatever `--seed`) drawn as typed by LaTeX
 in the fonts training never renders (`latex_render.EVAL_FONTS`; left out, with a
-message, where `latex` is not installed: unseen styles) and by matplotlib's mathtext
-(font sets that training's own renders use too: seen styles), each at an em of
+message, where `latex` is not installed: unseen styles), by KaTeX in a headless
+Chromium, as a web page shows them (a typesetter training never sees; left out where
+Playwright or Chromium is missing) and by matplotlib's mathtext (font sets that
+training's own renders use too: seen styles), each at an em of
 15 and 30 px, dark ink on white, and read through the server's adapter; references and
 answers are compared in `school.normalize`'s style. One row per style and size, and
 one for all pictures together.
@@ -355,8 +357,8 @@ def variants_table(
 class SchoolStyle:
     """One way of drawing the school evaluation's formulas: a renderer, its font, a size."""
 
-    renderer: str  # "latex" (a font setup of latex_render.FONTS) or "mathtext"
-    font: str  # the LaTeX font setup, or mathtext's math_fontfamily
+    renderer: str  # "latex" (a font setup of latex_render.FONTS), "katex" or "mathtext"
+    font: str  # the LaTeX font setup, "main" (KaTeX's own fonts), or mathtext's math_fontfamily
     em_px: int  # the em (10pt) in pixels of the final picture
 
     @property
@@ -368,7 +370,11 @@ SCHOOL_LIMIT = 300
 SCHOOL_EMS = (15, 30)
 SCHOOL_STYLES = tuple(
     SchoolStyle(renderer, font, em)
-    for renderer, fonts in (("latex", latex_render.EVAL_FONTS), ("mathtext", ("cm", "dejavusans")))
+    for renderer, fonts in (
+        ("latex", latex_render.EVAL_FONTS),
+        ("katex", ("main",)),
+        ("mathtext", ("cm", "dejavusans")),
+    )
     for font in fonts
     for em in SCHOOL_EMS
 )
@@ -394,6 +400,67 @@ def have_matplotlib() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
+# KaTeX as Texel's page ships it; the headless Chromium that draws it is found by
+# `find_chromium`.
+KATEX = Path(__file__).resolve().parents[2] / "app" / "static" / "vendor" / "katex"
+# Where the test suite unpacks Debian's Chromium (tests/backends/chromium.sh).
+BACKENDS_CHROMIUM = Path.home() / ".cache" / "texel" / "backends" / "chromium" / "chromium"
+
+
+def find_chromium() -> str | None:
+    """A Chromium to draw the KaTeX styles with: `chromium` on the PATH, or the one the
+    test suite unpacked; None without one, or without Playwright to drive it."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("playwright") is None:
+        return None
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found:
+        return found
+    return str(BACKENDS_CHROMIUM) if BACKENDS_CHROMIUM.is_file() else None
+
+
+def katex_pictures(sources: Sequence[str], em_px: int, chromium: str) -> list[Image.Image | None]:
+    """`sources` typeset by KaTeX (inline style, an em of `em_px`, black on white) in a
+    headless `chromium`, one grayscale screenshot each; None where KaTeX refuses one."""
+    import tempfile
+
+    from playwright.sync_api import sync_playwright
+
+    page_html = f"""<!doctype html><html><head><meta charset="utf-8">
+<link rel="stylesheet" href="{(KATEX / "katex.min.css").as_uri()}">
+<script src="{(KATEX / "katex.min.js").as_uri()}"></script>
+<style>body {{ margin: 0; background: #fff; color: #000; }}
+#f {{ display: inline-block; padding: 8px; }} .katex {{ font-size: {em_px}px; }}</style>
+</head><body><div id="f"></div></body></html>"""
+    draw = """source => {
+        const box = document.getElementById("f");
+        try { katex.render(source, box, {throwOnError: true}); return true; }
+        catch (error) { box.textContent = ""; return false; }
+    }"""
+    pictures: list[Image.Image | None] = []
+    with tempfile.TemporaryDirectory() as folder, sync_playwright() as playwright:
+        page_file = Path(folder) / "katex.html"
+        page_file.write_text(page_html)
+        browser = playwright.chromium.launch(executable_path=chromium)
+        try:
+            page = browser.new_page(device_scale_factor=1)
+            page.goto(page_file.as_uri())
+            page.evaluate("document.fonts.ready")
+            box = page.locator("#f")
+            for source in sources:
+                if not page.evaluate(draw, source):
+                    pictures.append(None)
+                    continue
+                page.evaluate("document.fonts.ready")
+                png = box.screenshot()
+                pictures.append(Image.open(io.BytesIO(png)).convert("L"))
+        finally:
+            browser.close()
+    return pictures
+
+
 def _with_margin(ink: Image.Image, margin: int) -> bytes:
     """A PNG of a grayscale picture (ink dark, white paper) cropped to its ink and given
     `margin` px of paper each side; empty bytes for a picture without ink."""
@@ -413,10 +480,14 @@ def _mathtext_picture(source: str, font: str, em_px: int) -> Image.Image | None:
 
 
 def school_pictures(
-    sources: Sequence[str], style: SchoolStyle, seed: int = SCHOOL_SEED
+    sources: Sequence[str],
+    style: SchoolStyle,
+    seed: int = SCHOOL_SEED,
+    chromium: str | None = None,
 ) -> list[bytes | None]:
     """PNGs of formulas (as typed) in `style`, each with a margin drawn from `seed`; None
-    where the renderer cannot draw one (a LaTeX error, a mathtext parse error)."""
+    where the renderer cannot draw one (a LaTeX error, a KaTeX or mathtext parse error).
+    The KaTeX style needs `chromium` (`find_chromium`)."""
     rng = np.random.default_rng(seed)
     margins = [int(m) for m in rng.choice(SCHOOL_MARGINS, len(sources))]
     if style.renderer == "latex":
@@ -427,6 +498,10 @@ def school_pictures(
             latex_render.screen_image(page, 0, stroke=0) if page is not None else None
             for page in pages
         ]
+    elif style.renderer == "katex":
+        if chromium is None:
+            raise ValueError("the KaTeX style needs a Chromium (find_chromium)")
+        pictures = katex_pictures(sources, style.em_px, chromium)
     else:
         pictures = [_mathtext_picture(source, style.font, style.em_px) for source in sources]
     out: list[bytes | None] = []
@@ -501,6 +576,12 @@ def school_evaluation(
             "LaTeX styles skipped: `latex` and `dvipng` are not installed "
             "(apt-get install texlive-latex-extra texlive-fonts-extra dvipng)."
         )
+    chromium = find_chromium()
+    if chromium is None:
+        skipped["katex"] = (
+            "KaTeX styles skipped: they need Playwright (pip install -e '.[dev]') and a "
+            "Chromium (`chromium` on the PATH, or bash tests/backends/chromium.sh)."
+        )
     if not have_matplotlib():
         skipped["mathtext"] = (
             "mathtext styles skipped: matplotlib is not installed (pip install -e '.[train]')."
@@ -511,7 +592,7 @@ def school_evaluation(
     styles = [style for style in styles if style.renderer not in skipped]
     rows = []
     for style in styles:
-        pictures = school_pictures([source for _, source in formulas], style, seed)
+        pictures = school_pictures([source for _, source in formulas], style, seed, chromium)
         drawn = [(f, p) for (f, _), p in zip(formulas, pictures, strict=True) if p is not None]
         uploads = [p for _, p in drawn]
         hypotheses = transcribe(recognizer, run, preprocessor, uploads, batch_size).latex
@@ -643,6 +724,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--seed", type=int, default=SCHOOL_SEED, help="with --school: draws the margins"
     )
+    parser.add_argument(
+        "--renderers",
+        default="",
+        help="with --school: only these renderers, comma-separated (latex, katex, mathtext)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -657,6 +743,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             args.school,
             args.batch_size,
             args.limit or SCHOOL_LIMIT,
+            [s for s in SCHOOL_STYLES if s.renderer in (args.renderers or s.renderer).split(",")],
             seed=args.seed,
         )
         print(table)
