@@ -11,7 +11,7 @@
 #   command: bash bench/device/session_probe.sh COMMIT
 COMMIT=${1:?usage: bash bench/device/session_probe.sh COMMIT}
 T0=$(date +%s)
-END=$((T0 + 300))
+END=$((T0 + 340))
 source bench/device/step.sh
 prepare "$COMMIT" .whl .whlx
 L=$OUT/bench.log
@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >> $L 2>&1
 FORMULAS="python3 -m bench.compare --data /tmp/b --max-batch-size 128 --duration 10 --warmup 2
     --client-processes 4 --out $OUT/h200-engine.jsonl"
 step 01-formulas 140 80 $FORMULAS --servers texel --concurrency 128,256
-step 02-engine-only 80 50 $FORMULAS --servers engine-only --concurrency 256
+step 02-engine-only 130 60 $FORMULAS --servers engine-only --concurrency 256
 step 03-equivalence 100 40 python3 -m bench.equivalence --data /tmp/b --images 500 \
     --batch-size 128 --out $OUT/equivalence.jsonl
 summarize '^(\||\{)|ready on|identical|differ'
