@@ -2,11 +2,12 @@
 # Everything a run on the lent GPU machine carries, in git-ignored folders of the repo:
 #   .whl/   wheels its Python 3.12 image lacks, for serving and benchmarks
 #   .whlx/  diffusers (image model runs only)
+#   .whlt/  the few of .whl that training and its evaluation need (formula_continue.sh)
 #   .fd/ .gb/  packed data (bench/device/pack_data.py)
 # Usage, from the repo root: bash bench/device/bundle.sh [DATA]   (DATA: ../shared/data)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-for folder in .whl .whlx .fd .gb; do
+for folder in .whl .whlx .whlt .fd .gb; do
     grep -qx "/$folder/" .git/info/exclude || echo "/$folder/" >> .git/info/exclude
 done
 download() {
@@ -25,5 +26,7 @@ download .whl transformers==5.24.0 fastapi starlette uvicorn httptools pydantic 
     opentelemetry-instrumentation-fastapi opentelemetry-instrumentation-asgi \
     opentelemetry-util-http googleapis-common-protos asgiref litserve pyzmq py-spy msgspec
 download .whlx diffusers==0.42.1 importlib_metadata
+mkdir -p .whlt && cp .whl/opentelemetry_api-*.whl .whl/opentelemetry_sdk-*.whl \
+    .whl/opentelemetry_semantic_conventions-*.whl .whlx/importlib_metadata-*.whl .whlt/
 .venv/bin/python -m bench.device.pack_data --data "${1:-../shared/data}"
-du -sh .whl .whlx .fd .gb
+du -sh .whl .whlx .whlt .fd .gb
