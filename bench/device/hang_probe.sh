@@ -3,8 +3,9 @@
 # (shipped sharing) with a watchdog. When the server has answered nothing for 15 s, every
 # Python process's stacks (py-spy dump, twice, 5 s apart), nvidia-smi and the server's
 # in-flight and queue gauges are written to $OUT/r; then the run is stopped. Packed into
-# $OUT/results.tar.xz; within PROBE_S (320) + 10 s. LOADS replaces the loads. With RESERVED, engine.sharing.RESERVED_SMS is that
-# instead (recorded as commit COMMIT-reservedRESERVED).
+# $OUT/results.tar.xz; within PROBE_S (320) + 10 s. LOADS replaces the loads. With
+# RESERVED, engine.sharing.RESERVED_SMS is that instead (recorded as commit
+# COMMIT-reservedRESERVED).
 #   carry: .whl .whlx .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/hang_probe.sh COMMIT [RESERVED]
 COMMIT=${1:?usage: bash bench/device/hang_probe.sh COMMIT [RESERVED]}
@@ -54,7 +55,8 @@ while kill -0 $MIXED 2>/dev/null && (($(date +%s) - T0 < ${PROBE_S:-320})); do
         break
     fi
 done
-kill $MIXED 2>/dev/null; sleep 2; pkill -f "app.cli serve"; pkill -f bench.mixed  # not "texel": the call's own command line may hold it
+kill $MIXED 2>/dev/null; sleep 2; pkill -f "app.cli serve"; pkill -f bench.mixed
+# (not `pkill -f texel`: the device call's own command line may hold that word)
 echo "=== done at $(($(date +%s) - T0))s" >> $L
 grep -E "^\|" $OUT/mixed.log >> $L
 cat $L

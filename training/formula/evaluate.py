@@ -403,14 +403,14 @@ def have_matplotlib() -> bool:
 # KaTeX as Texel's page ships it; the headless Chromium that draws it is found by
 # `find_chromium`.
 KATEX = Path(__file__).resolve().parents[2] / "app" / "static" / "vendor" / "katex"
-# Where the test suite unpacks Debian's Chromium (tests/backends/chromium.sh).
-BACKENDS_CHROMIUM = Path.home() / ".cache" / "texel" / "backends" / "chromium" / "chromium"
 
 
 def find_chromium() -> str | None:
-    """A Chromium to draw the KaTeX styles with: `chromium` on the PATH, or the one the
-    test suite unpacked; None without one, or without Playwright to drive it."""
+    """A Chromium to draw the KaTeX styles with: `chromium` on the PATH, or the one
+    tests/backends/chromium.sh unpacked (its cache, as that script picks it); None without
+    one, or without Playwright to drive it."""
     import importlib.util
+    import os
     import shutil
 
     if importlib.util.find_spec("playwright") is None:
@@ -418,7 +418,11 @@ def find_chromium() -> str | None:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found:
         return found
-    return str(BACKENDS_CHROMIUM) if BACKENDS_CHROMIUM.is_file() else None
+    cache = os.environ.get("TEXEL_BACKENDS_CACHE") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "texel", "backends"
+    )
+    unpacked = Path(cache, "chromium", "chromium")
+    return str(unpacked) if unpacked.is_file() else None
 
 
 def katex_pictures(sources: Sequence[str], em_px: int, chromium: str) -> list[Image.Image | None]:
@@ -447,13 +451,12 @@ def katex_pictures(sources: Sequence[str], em_px: int, chromium: str) -> list[Im
         try:
             page = browser.new_page(device_scale_factor=1)
             page.goto(page_file.as_uri())
-            page.evaluate("document.fonts.ready")
             box = page.locator("#f")
             for source in sources:
                 if not page.evaluate(draw, source):
                     pictures.append(None)
                     continue
-                page.evaluate("document.fonts.ready")
+                page.evaluate("document.fonts.ready")  # the glyphs' font files, loaded lazily
                 png = box.screenshot()
                 pictures.append(Image.open(io.BytesIO(png)).convert("L"))
         finally:
@@ -730,6 +733,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="with --school: only these renderers, comma-separated (latex, katex, mathtext)",
     )
     args = parser.parse_args(argv)
+    renderers = args.renderers.split(",") if args.renderers else None
+    if renderers and not set(renderers) <= {s.renderer for s in SCHOOL_STYLES}:
+        parser.error(f"--renderers: one of latex, katex, mathtext, not {args.renderers!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.school:
@@ -743,7 +749,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             args.school,
             args.batch_size,
             args.limit or SCHOOL_LIMIT,
-            [s for s in SCHOOL_STYLES if s.renderer in (args.renderers or s.renderer).split(",")],
+            [s for s in SCHOOL_STYLES if renderers is None or s.renderer in renderers],
             seed=args.seed,
         )
         print(table)
