@@ -13,7 +13,10 @@ and then:
 - profiles steps run eagerly with `torch.profiler` and prints the operators that take
   the most device time (CPU time on a CPU).
 
-Prints one JSON line with the timings and the profile table.
+Prints one JSON line with the timings and the profile table. With `--sweep 64,96,128`
+it instead times a step at each of those row counts, each in a decoder of exactly that
+many slots (so its own graph, no padding rows), one JSON line each: how a step's cost
+grows with its rows, which says whether batch buckets between the powers of two pay.
 """
 
 from __future__ import annotations
@@ -62,6 +65,34 @@ def admit(recognizer: FormulaRecognizer, decoder: StaticGreedyDecoder, items: li
     return max(decoder._slot_source[slot] for slot in slots)
 
 
+def sweep(args, recognizer: FormulaRecognizer, device, sizes: list[int]) -> None:
+    """One JSON line per size: a step of that many rows, in a decoder of that many slots."""
+    recognizer.warmup(device, 1)
+    base = recognizer.static_decoder(device)
+    images = formula_images(args.data, max(sizes))
+    items = [recognizer.preprocess(image) for image in images]
+    for rows in sizes:
+        decoder = StaticGreedyDecoder(
+            recognizer.replica(device),
+            max_batch_size=rows,
+            max_new_tokens=base.max_new_tokens,
+            max_source_len=base.max_source_len,
+        )
+        decoder.warmup()
+        admit(recognizer, decoder, items[:rows])
+        record = {
+            "scenario": "formula-step-sweep",
+            "device": str(device),
+            "gpu": gpu_name(),
+            "commit": commit(),
+            "command": "python -m bench.step_profile " + " ".join(sys.argv[1:]),
+            "rows": rows,
+            "step_ms": round(step_ms(decoder, args.repeats), 4),
+        }
+        print(json.dumps(record), flush=True)
+        del decoder
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
@@ -69,12 +100,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=20, help="runs of 8 steps timed")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--sweep", default=None, help="row counts, comma-separated")
     args = parser.parse_args()
 
     device = resolve_devices(args.device)[0]
     recognizer = FormulaRecognizer(args.model, [device], decoder="static")
     recognizer.open()
     recognizer.load(device)
+    if args.sweep:
+        sweep(args, recognizer, device, [int(rows) for rows in args.sweep.split(",")])
+        return
     recognizer.warmup(device, args.rows)
     decoder = recognizer.static_decoder(device)
     images = formula_images(args.data, args.rows)
