@@ -70,7 +70,7 @@ def model_plans(settings: Settings, devices: list[torch.device]) -> list[ModelPl
         ModelPlan(
             key=key,
             build=entry.factory(settings, devices),
-            max_batch_size=entry.max_batch_size,
+            max_batch_size=entry.batch_size(devices),
             max_wait_s=entry.max_wait_ms / 1000,
             max_queue=entry.max_queue,
             # Past twice the longest a request may take, its work only serves nobody.

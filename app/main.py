@@ -83,7 +83,9 @@ def build_app(settings: Settings, models: dict[str, Model], engines: list[Engine
             expose_headers=["Retry-After", "X-Texel-Seed", "X-Texel-Batch-Size"],
             max_age=600,
         )
-    max_batch = max(settings.formula.max_batch_size, settings.image.max_batch_size)
+    # A batch span links its requests; an unset batch size defaults to at most 128,
+    # which setup_tracing allows anyway.
+    max_batch = max((e.max_batch_size or 0 for e in settings.models().values()), default=0)
     if setup_tracing(max_batch_size=max_batch) is not None:
         from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 

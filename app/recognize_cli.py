@@ -165,7 +165,7 @@ class LocalRecognizer(Recognizer):
             if key != "formula"
         }
         self.settings = settings.model_copy(update=others)
-        self.concurrency = concurrency or self.settings.formula.max_batch_size
+        self.concurrency = concurrency  # unset: the formula model's batch size, once placed
         self.runtime = None
 
     async def __aenter__(self) -> LocalRecognizer:
@@ -174,6 +174,7 @@ class LocalRecognizer(Recognizer):
         from engine import Engine, LocalEngine
 
         devices = ProcessPlan.of(self.settings).devices[:1]
+        self.concurrency = self.concurrency or self.settings.formula.batch_size(devices)
         plans = model_plans(self.settings, devices)
         engine = LocalEngine(Engine(devices[0], plans, self.settings.advanced.gpu_sharing))
         self.runtime = Runtime(self.settings, request_models(self.settings, devices), [engine])

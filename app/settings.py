@@ -34,7 +34,7 @@ class ModelSettings(BaseModel):
     name: str | None = Field(
         None, description="Name reported in responses and metrics; default from the model path."
     )
-    max_batch_size: int = Field(8, ge=1, le=1024, description="Largest batch run at once.")
+    max_batch_size: int | None = Field(8, ge=1, le=1024, description="Largest batch run at once.")
     max_wait_ms: float = Field(
         10.0,
         ge=0,
@@ -48,6 +48,15 @@ class ModelSettings(BaseModel):
     def factory(self, settings: Settings, devices: list[torch.device]) -> Callable[[], Model]:
         """A picklable call that makes this model (not yet opened or loaded)."""
         raise NotImplementedError
+
+    def batch_size(self, devices: list[torch.device]) -> int:
+        """`max_batch_size`, or where it is unset the model's default on `devices`."""
+        if self.max_batch_size is not None:
+            return self.max_batch_size
+        return self.default_batch_size(any(device.type == "cuda" for device in devices))
+
+    def default_batch_size(self, on_gpu: bool) -> int:
+        return 8
 
 
 class FormulaAdvanced(BaseModel):
@@ -78,7 +87,12 @@ class FormulaSettings(ModelSettings):
         str(MODELS_DIR / "formula" / "default"),
         description="VisionEncoderDecoderModel directory or hub id.",
     )
-    max_batch_size: int = Field(16, ge=1, le=1024, description="Largest batch run at once.")
+    max_batch_size: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="Largest batch run at once; unset: 128 on GPUs, 16 on a CPU.",
+    )
     cache_mb: float = Field(
         64.0,
         ge=0,
@@ -105,6 +119,11 @@ class FormulaSettings(ModelSettings):
             decoder=a.decoder,
             continuous=a.continuous,
         )
+
+    def default_batch_size(self, on_gpu: bool) -> int:
+        # One decoding step costs about the same for a few rows as for a hundred on a
+        # GPU; on a CPU each row is compute of its own.
+        return 128 if on_gpu else 16
 
 
 class ImageAdvanced(BaseModel):

@@ -88,6 +88,17 @@ def test_every_enabled_model_gets_a_plan_with_its_batching_settings(monkeypatch)
     assert [plan.key for plan in model_plans(Settings(), [CPU])] == ["formula"]
 
 
+def test_the_formula_batch_size_defaults_by_device(monkeypatch):
+    def formula_batch(devices) -> int:
+        (plan,) = [plan for plan in model_plans(Settings(), devices) if plan.key == "formula"]
+        return plan.max_batch_size
+
+    assert formula_batch(GPUS) == 128
+    assert formula_batch([CPU]) == 16
+    monkeypatch.setenv("TEXEL_FORMULA__MAX_BATCH_SIZE", "48")
+    assert formula_batch(GPUS) == formula_batch([CPU]) == 48
+
+
 def formula_bucket_step(devices) -> int:
     (plan,) = [plan for plan in model_plans(Settings(), devices) if plan.key == "formula"]
     return plan.build().bucket_step  # built, not opened: nothing is read or put on a device
