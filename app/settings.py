@@ -34,7 +34,7 @@ class ModelSettings(BaseModel):
     name: str | None = Field(
         None, description="Name reported in responses and metrics; default from the model path."
     )
-    max_batch_size: int | None = Field(8, ge=1, le=1024, description="Largest batch run at once.")
+    max_batch_size: int = Field(8, ge=1, le=1024, description="Largest batch run at once.")
     max_wait_ms: float = Field(
         10.0,
         ge=0,
@@ -50,13 +50,8 @@ class ModelSettings(BaseModel):
         raise NotImplementedError
 
     def batch_size(self, devices: list[torch.device]) -> int:
-        """`max_batch_size`, or where it is unset the model's default on `devices`."""
-        if self.max_batch_size is not None:
-            return self.max_batch_size
-        return self.default_batch_size(any(device.type == "cuda" for device in devices))
-
-    def default_batch_size(self, on_gpu: bool) -> int:
-        return 8
+        """The largest batch on `devices`."""
+        return self.max_batch_size
 
 
 class FormulaAdvanced(BaseModel):
@@ -120,10 +115,12 @@ class FormulaSettings(ModelSettings):
             continuous=a.continuous,
         )
 
-    def default_batch_size(self, on_gpu: bool) -> int:
+    def batch_size(self, devices: list[torch.device]) -> int:
+        if self.max_batch_size is not None:
+            return self.max_batch_size
         # On a GPU a step of a hundred rows takes a small multiple of one row's time,
         # so rows in flight are throughput; on a CPU each row is compute of its own.
-        return 128 if on_gpu else 16
+        return 128 if any(device.type == "cuda" for device in devices) else 16
 
 
 class ImageAdvanced(BaseModel):

@@ -67,6 +67,18 @@ def admit(recognizer: FormulaRecognizer, decoder: StaticGreedyDecoder, items: li
     return max(decoder._slot_source[slot] for slot in slots)
 
 
+def record(scenario: str, device: torch.device, **fields) -> dict:
+    """A JSON record of this run: what it measured, where, at which commit, how."""
+    return {
+        "scenario": scenario,
+        "device": str(device),
+        "gpu": gpu_name(),
+        "commit": commit(),
+        "command": "python -m bench.step_profile " + " ".join(sys.argv[1:]),
+        **fields,
+    }
+
+
 def sweep(args, recognizer: FormulaRecognizer, device, sizes: list[int]) -> None:
     """One JSON line per size: a step of that many rows, in a decoder of that many slots."""
     recognizer.warmup(device, 1)
@@ -82,16 +94,8 @@ def sweep(args, recognizer: FormulaRecognizer, device, sizes: list[int]) -> None
         )
         decoder.warmup()
         admit(recognizer, decoder, items[:rows])
-        record = {
-            "scenario": "formula-step-sweep",
-            "device": str(device),
-            "gpu": gpu_name(),
-            "commit": commit(),
-            "command": "python -m bench.step_profile " + " ".join(sys.argv[1:]),
-            "rows": rows,
-            "step_ms": round(step_ms(decoder, args.repeats), 4),
-        }
-        print(json.dumps(record), flush=True)
+        ms = round(step_ms(decoder, args.repeats), 4)
+        print(json.dumps(record("formula-step-sweep", device, rows=rows, step_ms=ms)), flush=True)
         del decoder
 
 
@@ -100,7 +104,9 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     parser.add_argument("--model", default=str(ROOT / "models" / "formula" / "default"))
     parser.add_argument("--rows", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=20, help="runs of 8 steps timed")
+    parser.add_argument(
+        "--repeats", type=int, default=20, help="runs timed (8 steps each on a GPU, one on a CPU)"
+    )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--sweep", default=None, help="row counts, comma-separated")
     args = parser.parse_args()
@@ -117,17 +123,14 @@ def main() -> None:
     images = formula_images(args.data, args.rows)
     items = [recognizer.preprocess(image) for image in images]
     longest = admit(recognizer, decoder, items)
-    record = {
-        "scenario": "formula-step",
-        "device": str(device),
-        "gpu": gpu_name(),
-        "commit": commit(),
-        "command": "python -m bench.step_profile " + " ".join(sys.argv[1:]),
-        "rows": args.rows,
-        "max_source_len": decoder.max_source_len,
-        "longest_admitted_source": longest,
-        "step_ms": round(step_ms(decoder, args.repeats), 4),
-    }
+    result = record(
+        "formula-step",
+        device,
+        rows=args.rows,
+        max_source_len=decoder.max_source_len,
+        longest_admitted_source=longest,
+        step_ms=round(step_ms(decoder, args.repeats), 4),
+    )
     decoder.release(list(range(args.rows)))
 
     trimmed = StaticGreedyDecoder(
@@ -138,7 +141,7 @@ def main() -> None:
     )
     trimmed.warmup()
     admit(recognizer, trimmed, items)
-    record["step_ms_source_trimmed"] = round(step_ms(trimmed, args.repeats), 4)
+    result["step_ms_source_trimmed"] = round(step_ms(trimmed, args.repeats), 4)
 
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -151,7 +154,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    print(json.dumps(record), flush=True)
+    print(json.dumps(result), flush=True)
     print(prof.key_averages().table(sort_by=sort, row_limit=25))
 
 

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from app import launcher
 from app.launcher import ProcessPlan, model_plans
 from app.settings import Settings
+from engine import ModelPlan
 
 CPU = torch.device("cpu")
 GPUS = [torch.device("cuda", 0), torch.device("cuda", 1)]
@@ -88,20 +89,21 @@ def test_every_enabled_model_gets_a_plan_with_its_batching_settings(monkeypatch)
     assert [plan.key for plan in model_plans(Settings(), [CPU])] == ["formula"]
 
 
-def test_the_formula_batch_size_defaults_by_device(monkeypatch):
-    def formula_batch(devices) -> int:
-        (plan,) = [plan for plan in model_plans(Settings(), devices) if plan.key == "formula"]
-        return plan.max_batch_size
+def formula_plan(devices) -> ModelPlan:
+    (plan,) = [plan for plan in model_plans(Settings(), devices) if plan.key == "formula"]
+    return plan
 
-    assert formula_batch(GPUS) == 128
-    assert formula_batch([CPU]) == 16
+
+def test_the_formula_batch_size_defaults_by_device(monkeypatch):
+    assert formula_plan(GPUS).max_batch_size == 128
+    assert formula_plan([CPU]).max_batch_size == 16
     monkeypatch.setenv("TEXEL_FORMULA__MAX_BATCH_SIZE", "48")
-    assert formula_batch(GPUS) == formula_batch([CPU]) == 48
+    assert formula_plan(GPUS).max_batch_size == formula_plan([CPU]).max_batch_size == 48
 
 
 def formula_bucket_step(devices) -> int:
-    (plan,) = [plan for plan in model_plans(Settings(), devices) if plan.key == "formula"]
-    return plan.build().bucket_step  # built, not opened: nothing is read or put on a device
+    # built, not opened: nothing is read or put on a device
+    return formula_plan(devices).build().bucket_step
 
 
 def test_formula_buckets_are_wider_on_gpus():
