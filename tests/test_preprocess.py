@@ -50,6 +50,18 @@ def test_transparent_and_inverted_images_become_dark_ink_on_white():
         assert strip[0, 0] == 255 and strip.min() < 50
 
 
+@pytest.mark.parametrize("colour", [(255, 255, 255), (255, 230, 60)], ids=["white", "yellow"])
+def test_light_ink_on_a_transparent_picture_is_read_like_dark_ink(colour):
+    # A formula exported in a light colour for a dark page: on white it would vanish.
+    dark = Image.new("RGBA", (100, 40), (0, 0, 0, 0))
+    dark.paste((0, 0, 0, 255), (20, 10, 60, 30))
+    light = Image.new("RGBA", (100, 40), (*colour, 0))
+    light.paste((*colour, 255), (20, 10, 60, 30))
+    expected = prepare_strip(dark, SPEC)
+    assert expected.min() < 50
+    np.testing.assert_array_equal(prepare_strip(light, SPEC), expected)
+
+
 def test_a_very_wide_formula_is_fitted_to_max_width_and_padded_vertically():
     strip = prepare_strip(ink_box(size=(3000, 40), box=(10, 10, 2990, 30)), SPEC)
     assert strip.shape == (32, 256)

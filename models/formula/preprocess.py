@@ -185,8 +185,9 @@ def decode_image(data: bytes, max_pixels: int) -> Image.Image:
 
 
 def _flat_pixels(image: Image.Image) -> np.ndarray:
-    """8-bit pixels, gray [H, W] or RGB [H, W, 3], transparency flattened onto white and
-    16-bit or float gray scaled to 8 bits (PIL's own conversion clips it to white)."""
+    """8-bit pixels, gray [H, W] or RGB [H, W, 3]: transparency flattened onto white (onto
+    black under light ink), 16-bit or float gray scaled to 8 bits (PIL's
+    own conversion clips it to white)."""
     if image.mode.startswith("I") or image.mode == "F":
         values = np.asarray(image, dtype=np.float32)
         if image.mode.startswith("I;16"):
@@ -197,8 +198,11 @@ def _flat_pixels(image: Image.Image) -> np.ndarray:
         return np.clip(np.rint(values * (255.0 / full)), 0, 255).astype(np.uint8)
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
         rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        image = Image.alpha_composite(background, rgba)
+        image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
+        if int(np.asarray(image.convert("L")).min()) > 127:
+            # Even the darkest ink is light (a formula exported in white for a dark page):
+            # it stands out from black more, as dark mode, which `ink_on_paper` turns.
+            image = Image.alpha_composite(Image.new("RGBA", rgba.size, (0, 0, 0, 255)), rgba)
     if image.mode in ("L", "RGB"):
         return np.asarray(image)
     return np.asarray(image.convert("RGB" if image.mode not in ("1", "L") else "L"))
