@@ -26,12 +26,15 @@ from app.errors import (
 from app.schemas import RecognizeJSON
 
 MULTIPART_OVERHEAD = 64 * 1024
+URL_SAFE = str.maketrans("-_", "+/")  # base64url's two letters, in the standard alphabet
 Schema = TypeVar("Schema", bound=BaseModel)
 
 
 def body_limit(content_type: str, max_upload_bytes: int) -> int:
-    """Largest acceptable body: base64 in JSON (any body but multipart is read as JSON)
-    inflates an upload by 4/3."""
+    """Largest acceptable body: base64 in JSON (any body but multipart or a raw image is
+    read as JSON) inflates an upload by 4/3."""
+    if _is_raw_image(content_type.partition(";")[0].strip()):
+        return max_upload_bytes
     if content_type.startswith("multipart/"):
         return max_upload_bytes + MULTIPART_OVERHEAD
     return max_upload_bytes * 4 // 3 + MULTIPART_OVERHEAD
@@ -127,6 +130,12 @@ def _is_json(media_type: str) -> bool:
     )
 
 
+def _is_raw_image(media_type: str) -> bool:
+    """A body that is the image file itself (`curl --data-binary @f.png -H 'Content-Type:
+    image/png'`). Its declared type is not trusted: the bytes say what they are."""
+    return media_type.startswith("image/") or media_type == "application/octet-stream"
+
+
 async def read_json(request: Request, schema: type[Schema]) -> Schema:
     """The body as `schema`: 415 for a body that is not JSON, 400 for one that is empty
     or not a JSON object (nested too deep included), 422 for fields that do not match."""
@@ -152,15 +161,19 @@ def _parse_json(body: bytes, schema: type[Schema]) -> Schema:
 
 
 async def read_image_upload(request: Request, max_bytes: int) -> bytes:
-    """The image bytes of a /recognize request: multipart field `image` or JSON `image_base64`."""
+    """The image bytes of a /recognize request: multipart field `image`, JSON
+    `image_base64`, or the body itself sent as `image/*`."""
     media_type = _media_type(request)
     if media_type == "multipart/form-data":
         data = await _read_multipart(request, max_bytes)
+    elif _is_raw_image(media_type):
+        data = await request.body()
     elif _is_json(media_type):
         data = _decode_base64(_parse_json(await request.body(), RecognizeJSON).image_base64)
     else:
         raise unsupported_media_type(
-            "multipart/form-data with an 'image' file, or JSON with 'image_base64'"
+            "multipart/form-data with an 'image' file, JSON with 'image_base64', "
+            "or the image itself as image/*"
         )
     if not data:
         raise malformed("the image is empty")
@@ -186,10 +199,12 @@ async def _read_multipart(request: Request, max_bytes: int) -> bytes:
 
 
 def _decode_base64(encoded: str) -> bytes:
-    if encoded.startswith("data:"):  # accept data URLs from browsers
+    """Standard or URL-safe base64 (RFC 4648), padded or not, or a browser's data URL."""
+    if encoded.startswith("data:"):
         encoded = encoded.partition(",")[2]
+    encoded = encoded.translate(URL_SAFE).rstrip("=")
     try:
-        return base64.b64decode(encoded, validate=True)
+        return base64.b64decode(encoded + "=" * (-len(encoded) % 4), validate=True)
     except (binascii.Error, ValueError):
         raise malformed("image_base64 is not valid base64") from None
 

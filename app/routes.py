@@ -84,7 +84,7 @@ ERRORS = {
         404: "The route's model is disabled.",
         408: "The request did not arrive whole within the request timeout.",
         413: "Upload too large, in bytes or pixels.",
-        415: "Not a supported image, or a body that is neither JSON nor multipart.",
+        415: "Not a supported image, or a body that is not JSON, multipart or an image.",
         422: "A field is unknown, missing, of the wrong type or out of range.",
         429: "Queue full; retry after `Retry-After` seconds.",
         503: "Models not ready yet, or the server is draining.",
@@ -115,6 +115,7 @@ def state_limits(document: dict, settings: Settings) -> dict:
     recognize = paths["/recognize"]["post"]["requestBody"]["content"]
     recognize["multipart/form-data"]["schema"]["properties"]["image"]["description"] += upload
     recognize["application/json"]["schema"]["properties"]["image_base64"]["description"] += upload
+    recognize["image/*"]["schema"]["description"] += upload
     return document
 
 
@@ -241,6 +242,13 @@ def _image_request(body: GenerateRequest):
                     }
                 },
                 "application/json": {"schema": RecognizeJSON.model_json_schema()},
+                "image/*": {
+                    "schema": {
+                        "type": "string",
+                        "format": "binary",
+                        "description": "The image file itself as the body.",
+                    }
+                },
             },
         }
     },
@@ -248,7 +256,8 @@ def _image_request(body: GenerateRequest):
 async def recognize(request: Request) -> Response:
     """A picture of a printed math formula (PNG, JPEG, WebP, BMP, GIF) in, LaTeX out.
 
-    Send the file as multipart field `image`, or as JSON `{"image_base64": "..."}`.
+    Send the file as multipart field `image`, as JSON `{"image_base64": "..."}`, or as the
+    body itself with `Content-Type: image/png` (or any `image/*`).
     """
 
     cache: RecognitionCache = request.app.state.recognition_cache

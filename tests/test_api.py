@@ -43,11 +43,25 @@ def test_recognize_says_how_sure_it_is_and_nothing_for_a_picture_without_ink(ser
     assert (empty.json()["latex"], empty.json()["confidence"]) == ("", None)
 
 
-def test_recognize_accepts_base64_json(server):
-    encoded = base64.b64encode(formula_png()).decode()
+def test_recognize_accepts_base64_json_and_the_image_as_the_body(server):
+    data = formula_png("a^2 + b, as a body")
+    encoded = base64.b64encode(data).decode()
+    url_safe = base64.urlsafe_b64encode(data).decode().rstrip("=")
+    assert url_safe != encoded.rstrip("="), "the picture's base64 must use + or /"
     with server.client() as client:
-        response = client.post("/recognize", json={"image_base64": encoded})
-    assert response.status_code == 200, response.text
+        answers = [
+            client.post("/recognize", files={"image": ("f.png", data, "image/png")}),
+            client.post("/recognize", json={"image_base64": encoded}),
+            client.post("/recognize", json={"image_base64": url_safe}),
+            client.post("/recognize", json={"image_base64": "data:image/png;base64," + encoded}),
+            client.post("/recognize", content=data, headers={"content-type": "image/png"}),
+            client.post(
+                "/recognize", content=data, headers={"content-type": "application/octet-stream"}
+            ),
+        ]
+    for response in answers:
+        assert response.status_code == 200, response.text
+    assert len({response.json()["latex"] for response in answers}) == 1
 
 
 def test_recognize_accepts_every_supported_format(server):
@@ -260,7 +274,7 @@ def test_openapi_documents_both_routes(server):
     spec = httpx.get(server.url + "/openapi.json").json()
     assert {"/recognize", "/generate", "/livez", "/readyz", "/metrics"} <= set(spec["paths"])
     content = spec["paths"]["/recognize"]["post"]["requestBody"]["content"]
-    assert {"multipart/form-data", "application/json"} <= set(content)
+    assert {"multipart/form-data", "application/json", "image/*"} <= set(content)
     assert httpx.get(server.url + "/docs").status_code == 200
 
 
@@ -308,6 +322,9 @@ def test_an_unsupported_image_gets_415(server):
             assert error_of(response) == "unsupported_image"
         response = client.post("/recognize", content=b"raw", headers={"content-type": "text/plain"})
         assert response.status_code == 415
+        response = client.post("/recognize", content=b"raw", headers={"content-type": "image/png"})
+        assert response.status_code == 415
+        assert error_of(response) == "unsupported_image"
 
 
 def test_an_upload_over_the_byte_limit_gets_413(server):
@@ -317,6 +334,8 @@ def test_an_upload_over_the_byte_limit_gets_413(server):
         assert response.status_code == 413
         encoded = base64.b64encode(big).decode()
         assert client.post("/recognize", json={"image_base64": encoded}).status_code == 413
+        raw = client.post("/recognize", content=big, headers={"content-type": "image/png"})
+        assert raw.status_code == 413
 
 
 def decompression_bomb(width: int, height: int) -> bytes:
