@@ -6,7 +6,7 @@ import io
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageOps
 
 from models.errors import CorruptImage, ImageTooLarge, UnsupportedImage
 from models.formula.preprocess import (
@@ -14,6 +14,8 @@ from models.formula.preprocess import (
     FormulaPreprocessor,
     bucket_width,
     decode_image,
+    inside_frame,
+    local_paper,
     pad_and_normalize,
     prepare_strip,
 )
@@ -233,6 +235,81 @@ def test_any_ink_on_any_paper_becomes_black_on_white(ink, paper):
     gap = strip.shape[1] // 2  # the paper between the two strokes
     assert strip[:, gap - 2 : gap + 3].min() >= 250, "paper is white"
     assert strip[12:20, 6 : gap - 20].max() < 40, "ink is black"
+
+
+def _formula_like() -> Image.Image:
+    """Strokes, a fraction bar and a tall bar, dark on white, 12 px from the edges."""
+    from PIL import ImageDraw
+
+    image = Image.new("L", (184, 64), 255)
+    draw = ImageDraw.Draw(image)
+    draw.rectangle((12, 12, 30, 28), outline=0, width=2)
+    draw.line((40, 32, 110, 32), fill=0, width=2)  # a fraction bar
+    draw.rectangle((60, 38, 90, 51), outline=0, width=2)
+    draw.line((160, 12, 160, 51), fill=0, width=2)  # a bar as tall as the ink
+    draw.rectangle((120, 20, 150, 40), outline=0, width=2)
+    return image
+
+
+def test_a_frame_around_the_formula_is_taken_off():
+    from PIL import ImageDraw
+
+    plain = _formula_like()
+    framed = plain.copy()
+    ImageDraw.Draw(framed).rectangle((0, 0, 183, 63), outline=100)
+    boxed_twice = ImageOps.expand(framed, 8, fill=255)
+    ImageDraw.Draw(boxed_twice).rectangle((0, 0, 199, 79), outline=0, width=2)
+    expected = prepare_strip(plain, SPEC)
+    np.testing.assert_array_equal(prepare_strip(framed, SPEC), expected)
+    np.testing.assert_array_equal(prepare_strip(boxed_twice, SPEC), expected)
+
+
+@pytest.mark.parametrize("sides", ["three sides", "touching the ink"])
+def test_lines_that_are_not_a_frame_are_kept(sides):
+    from PIL import ImageDraw
+
+    image = ImageOps.expand(_formula_like(), 4, fill=255)
+    draw = ImageDraw.Draw(image)
+    if sides == "three sides":  # an overline, an underline and one bar: the formula's own
+        draw.line((0, 0, 191, 0), fill=0)
+        draw.line((0, 71, 191, 71), fill=0)
+        draw.line((0, 0, 0, 71), fill=0)
+    else:  # four sides, but ink runs into one of them
+        draw.rectangle((0, 0, 191, 71), outline=0)
+        draw.line((150, 36, 191, 36), fill=0, width=2)
+    assert inside_frame(image) is None
+    # Kept, the lines make the trimmed picture taller, so its strip narrower.
+    assert prepare_strip(image, SPEC).shape[1] < prepare_strip(_formula_like(), SPEC).shape[1]
+
+
+def _lit_unevenly(image: Image.Image) -> Image.Image:
+    """The paper from white on the left to 45% grey on the right; the ink stays black."""
+    gray = np.asarray(image.convert("L"), dtype=np.float32) / 255.0
+    light = np.linspace(255.0, 115.0, image.width)[None, :]
+    return Image.fromarray((gray * light).astype(np.uint8))
+
+
+def test_uneven_paper_is_measured_from_the_paper_nearby():
+    plain = _formula_like()
+    expected = prepare_strip(plain, SPEC) < 128
+    got = prepare_strip(_lit_unevenly(plain), SPEC) < 128
+    assert got.shape == expected.shape, "the dark side of the paper is not ink"
+    assert (got == expected).mean() > 0.97
+
+
+def test_even_paper_is_left_as_it_is():
+    for paper in (255, 200, 30):  # white, tinted, dark mode
+        image = ImageOps.expand(_formula_like(), 20, fill=255)
+        if paper != 255:
+            image = Image.eval(image, lambda v, p=paper: p if v == 255 else 255 - p)
+        pixels = np.asarray(image)
+        distance = np.abs(pixels.astype(np.int16) - paper).astype(np.uint8)
+        assert local_paper(pixels[..., None], distance) is None, paper
+
+
+def test_a_picture_smaller_than_a_block_of_paper_is_read():
+    image = _lit_unevenly(_formula_like()).resize((92, 12))
+    assert prepare_strip(image, SPEC).shape[1] > 0
 
 
 # -- scale ------------------------------------------------------------------------------

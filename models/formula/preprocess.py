@@ -1,13 +1,14 @@
 """Formula image preprocessing shared by the server, training and evaluation.
 
 A formula picture becomes a grayscale strip of fixed height and variable width:
-decode (honouring EXIF orientation), reduce whatever colours it has to dark ink
-on white paper with full contrast, trim the margins, scale it so that its strokes
-are as thick (or, for a light font drawn large, its glyphs as tall) as in the
-images the model was trained on and it fits the model's height, then pad on the
-right to the bucket width. A picture with no ink becomes an empty strip, which the
-model does not read. Training and `make eval-formula`
-call the same functions, so the model sees exactly what the server feeds it.
+decode (honouring EXIF orientation), reduce whatever colours it has to dark ink on
+white paper with full contrast (uneven paper measured from the paper nearby), take off
+a frame drawn around it, trim the margins, level a small tilt, scale it so that its
+strokes are as thick (or, for a light font drawn large, its glyphs as tall) as in the
+images the model was trained on and it fits the model's height, then pad on the right
+to the bucket width. A picture with no ink becomes an empty strip, which the model does
+not read. Training and `make eval-formula` call the same functions, so the model sees
+exactly what the server feeds it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ MIN_SIDE = 4
 # Median stroke width, in pixels, of the im2latex images (im2markup's 200 dpi renders
 # downsampled by 2) that the default model was trained on: `stroke_width` measures it.
 IM2LATEX_STROKE_WIDTH = 1.17
+# Uneven paper (a photo's lighting, a gradient behind the formula): in some block of the
+# picture (`local_paper`) this share of the pixels or more lie this far from the median
+# colour or further.
+PAPER_QUANTILE = 0.1
+UNEVEN_PAPER = INK_MIN_CONTRAST // 2
+# A frame around the formula (a screenshot of a bordered box): thin lines at all four
+# edges of the ink, each along at least this share of its side, at most this share of
+# the other side thick, and clear of the ink inside.
+FRAME_COVER = 0.75
+FRAME_THICKNESS = 0.1
 # Deskew tries tilts this many degrees apart, and turns a picture only when the best one
 # levels its rows this much better than no turn: clean renders, which a smaller gain
 # turns now and then, stay as they are.
@@ -221,6 +232,7 @@ def ink_on_paper(image: Image.Image) -> Image.Image | None:
     The paper is the picture's median colour; a pixel's ink is its largest channel
     difference from it. So coloured ink, tinted paper and dark mode (light ink on a dark
     background) all become dark on white, and the ink's own level is stretched to black.
+    Where the paper is uneven (`local_paper`), ink is measured from the paper around it.
     """
     if min(image.size) < MIN_SIDE:
         return None
@@ -237,6 +249,9 @@ def ink_on_paper(image: Image.Image) -> Image.Image | None:
         table = np.abs(values - paper[c]).astype(np.uint8)
         here = table[channels[:, :, c]]
         distance = here if distance is None else np.maximum(distance, here, out=distance)
+    local = local_paper(sample, distance[::step, ::step])
+    if local is not None:
+        distance = distance_from_paper_around(channels, local)
     strong = distance[::step, ::step]
     strong = strong[strong >= INK_MIN_CONTRAST]
     if strong.size < 64:  # sparse ink in a large picture: look at every pixel
@@ -249,6 +264,84 @@ def ink_on_paper(image: Image.Image) -> Image.Image | None:
     # One lookup table maps each difference to its stretched gray.
     lut = np.clip(np.rint(255.0 - np.arange(256) * (255.0 / level)), 0, 255).astype(np.uint8)
     return Image.fromarray(lut[distance], "L")
+
+
+def _blocks(values: np.ndarray) -> np.ndarray | None:
+    """`values` [H, W, ...] cut into square blocks about a third of its shorter side (16
+    at least): [rows, cols, pixels of a block, ...]; None when smaller than one block."""
+    height, width = values.shape[:2]
+    block = max(16, min(height, width) // 3)
+    rows, cols = height // block, width // block
+    if rows == 0 or cols == 0:
+        return None
+    rest = values.shape[2:]
+    tiles = values[: rows * block, : cols * block].reshape(rows, block, cols, block, *rest)
+    return tiles.swapaxes(1, 2).reshape(rows, cols, block * block, *rest)
+
+
+def local_paper(pixels: np.ndarray, distance: np.ndarray) -> np.ndarray | None:
+    """The paper's colour block by block [rows, cols, C] over `pixels` [H, W, C], where
+    it is uneven (a photo's lighting, a gradient behind the formula); None where it is
+    even (most pictures), which leaves them as they are. `distance` [H, W] is each
+    pixel's distance from the median colour: a block's paper lies at least
+    `UNEVEN_PAPER` from it when this low a quantile of the block's distances does. A
+    block's paper colour is its median: ink does not move it unless it covers half the
+    block."""
+    tiles = _blocks(distance)
+    if tiles is None:  # too small for the lighting to vary across it
+        return None
+    if int(np.quantile(tiles, PAPER_QUANTILE, axis=2, method="lower").max()) < UNEVEN_PAPER:
+        return None
+    return np.median(_blocks(pixels), axis=2).round().astype(np.uint8)
+
+
+def distance_from_paper_around(channels: np.ndarray, local: np.ndarray) -> np.ndarray:
+    """Each pixel's largest channel difference from the paper around it (`local_paper`'s
+    blocks, scaled up smoothly), as uint8 [H, W]; where that paper leaves ink less room
+    (dark ink in a shadow) the difference is raised to what it would be on the most
+    even-lit paper, so that one stroke keeps one darkness across the picture."""
+    height, width = channels.shape[:2]
+    distance = np.zeros((height, width), dtype=np.uint8)
+    for c in range(channels.shape[2]):
+        field = Image.fromarray(local[:, :, c]).resize((width, height), Image.BILINEAR)
+        value, around = channels[:, :, c], np.asarray(field)
+        np.maximum(distance, np.maximum(value, around) - np.minimum(value, around), out=distance)
+    room = np.maximum(local, 255 - local).max(axis=2)  # how far ink can lie from the paper
+    gain = Image.fromarray((room.max() / room).astype(np.float32), "F")
+    gain = np.asarray(gain.resize((width, height), Image.BILINEAR))
+    return np.clip(distance * gain, 0, 255).astype(np.uint8)
+
+
+def inside_frame(gray: Image.Image) -> Image.Image | None:
+    """What a frame around all of the ink holds (a screenshot of a bordered box), or None
+    without one. The frame's four sides are thin lines along the ink's bounding box that
+    touch nothing inside it; a formula's own bars, brackets and fraction lines never make
+    up all four (but an `\\fbox` around a whole formula is taken for a frame)."""
+    ink = np.asarray(gray) < INK_THRESHOLD
+    rows, cols = np.flatnonzero(ink.any(axis=1)), np.flatnonzero(ink.any(axis=0))
+    if rows.size == 0:
+        return None
+    top, left = int(rows[0]), int(cols[0])
+    box = ink[top : int(rows[-1]) + 1, left : int(cols[-1]) + 1]
+    height, width = box.shape
+
+    def lines(cover: np.ndarray, across: int) -> int:
+        """How many of the lines `cover` starts with are one side of a frame (0: none)."""
+        full = cover >= FRAME_COVER
+        count = int(np.argmin(full)) if not full.all() else full.size
+        return count if count <= max(2, FRAME_THICKNESS * across) else 0
+
+    t = lines(box.mean(axis=1), height)
+    b = lines(box.mean(axis=1)[::-1], height)
+    l = lines(box.mean(axis=0), width)  # noqa: E741
+    r = lines(box.mean(axis=0)[::-1], width)
+    if not (t and b and l and r) or t + b + 2 >= height or l + r + 2 >= width:
+        return None
+    inner = box[t : height - b, l : width - r]
+    clear = not (inner[0].any() or inner[-1].any() or inner[:, 0].any() or inner[:, -1].any())
+    if not clear:
+        return None
+    return gray.crop((left + l, top + t, left + width - r, top + height - b))
 
 
 def trim_margins(gray: Image.Image, margin: int) -> Image.Image:
@@ -427,6 +520,11 @@ def prepare_strip(image: Image.Image, spec: FormulaImageSpec) -> np.ndarray:
     gray = ink_on_paper(image)
     if gray is None:
         return np.full((spec.height, 0), 255, dtype=np.uint8)
+    for _ in range(2):  # a box in a box
+        framed = inside_frame(gray)
+        if framed is None:
+            break
+        gray = framed
     gray = trim_margins(gray, spec.margin)
     angle = skew_angle(gray, spec.max_skew)
     if angle:

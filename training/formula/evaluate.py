@@ -11,7 +11,8 @@ never counts. Prints a markdown table.
     python -m training.formula.evaluate --served --variants --limit 120 --threads 2
 
 scores the same formulas once per picture variant (`VARIANTS`: sizes, JPEG, dark
-mode, colours, margins, rotation, contrast), each variant's bytes going through
+mode, colours, margins, rotation, contrast, a frame, uneven lighting, noise, blur,
+transparency), each variant's bytes going through
 the server's adapter as an upload would, with the preprocessing time per image.
 
     python -m training.formula.evaluate --school ../shared/data/k12-formulas --threads 2
@@ -46,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image, ImageDraw, ImageFilter, ImageOps
 
 from models.devices import resolve_dtype
 from models.formula.preprocess import FormulaImageSpec, FormulaPreprocessor
@@ -289,8 +290,41 @@ def _rotated(image: Image.Image, degrees: float) -> Image.Image:
     )
 
 
-# The pictures of issue 25's table, from an im2latex image (dark ink on white, RGB).
-# Larger sizes are bicubic upsamplings, so they are blurrier than a real HiDPI render.
+def _framed(image: Image.Image) -> Image.Image:
+    """In a thin grey box 12 px from the ink: a screenshot of a bordered panel."""
+    framed = ImageOps.expand(image.convert("RGB"), 12, (255, 255, 255))
+    ImageDraw.Draw(framed).rectangle(
+        (0, 0, framed.width - 1, framed.height - 1), outline=(170, 170, 170)
+    )
+    return framed
+
+
+def _unevenly_lit(image: Image.Image) -> Image.Image:
+    """Paper from white at the top left to 50% grey at the bottom right, as a photo under
+    a lamp; the ink keeps its darkness."""
+    gray = np.asarray(image.convert("L"), dtype=np.float32) / 255.0
+    height, width = gray.shape
+    light = np.linspace(255.0, 150.0, width)[None, :] * np.linspace(1.0, 0.85, height)[:, None]
+    return Image.fromarray(np.clip(gray * light, 0, 255).astype(np.uint8)).convert("RGB")
+
+
+def _noisy(image: Image.Image, sigma: float) -> Image.Image:
+    """Gaussian noise of `sigma` gray levels (the same noise for the same picture)."""
+    gray = np.asarray(image.convert("L"), dtype=np.float32)
+    noise = np.random.default_rng(0).normal(0.0, sigma, gray.shape)
+    return Image.fromarray(np.clip(gray + noise, 0, 255).astype(np.uint8)).convert("RGB")
+
+
+def _light_on_transparent(image: Image.Image) -> Image.Image:
+    """White ink on a transparent background: a formula exported for a dark page."""
+    rgba = np.full((image.height, image.width, 4), 255, dtype=np.uint8)
+    rgba[..., 3] = 255 - np.asarray(image.convert("L"))
+    return Image.fromarray(rgba, "RGBA")
+
+
+# The pictures of issue 25's table, from an im2latex image (dark ink on white, RGB),
+# then more that users send. Larger sizes are bicubic upsamplings, so they are blurrier
+# than a real HiDPI render.
 VARIANTS = {
     "as rendered": _png,
     "twice the size": lambda im: _png(_resized(im, 2)),
@@ -304,6 +338,11 @@ VARIANTS = {
     "wide margins": lambda im: _png(ImageOps.expand(im.convert("RGB"), 120, (255, 255, 255))),
     "rotated 2°": lambda im: _png(_rotated(im, 2)),
     "low contrast": lambda im: _png(_recoloured(im, (150, 150, 150), (225, 225, 225))),
+    "in a box": lambda im: _png(_framed(im)),
+    "uneven lighting": lambda im: _png(_unevenly_lit(im)),
+    "noise": lambda im: _png(_noisy(im, 14.0)),
+    "blurred": lambda im: _png(im.convert("RGB").filter(ImageFilter.GaussianBlur(0.8))),
+    "white ink, transparent": lambda im: _png(_light_on_transparent(im)),
 }
 
 
