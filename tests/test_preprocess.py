@@ -297,6 +297,17 @@ def test_uneven_paper_is_measured_from_the_paper_nearby():
     assert (got == expected).mean() > 0.97
 
 
+def test_a_tall_photo_is_measured_in_bands_as_in_one_piece(monkeypatch):
+    from models.formula import preprocess
+
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (700, 90, 3), dtype=np.uint8)
+    local = rng.integers(0, 256, (5, 3, 3), dtype=np.uint8)
+    banded = preprocess.distance_from_paper_around(pixels, local)
+    monkeypatch.setattr(preprocess, "PAPER_BAND", 10_000)
+    np.testing.assert_array_equal(banded, preprocess.distance_from_paper_around(pixels, local))
+
+
 def test_even_paper_is_left_as_it_is():
     for paper in (255, 200, 30):  # white, tinted, dark mode
         image = ImageOps.expand(_formula_like(), 20, fill=255)

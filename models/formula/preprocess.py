@@ -43,6 +43,7 @@ IM2LATEX_STROKE_WIDTH = 1.17
 # colour or further.
 PAPER_QUANTILE = 0.1
 UNEVEN_PAPER = INK_MIN_CONTRAST // 2
+PAPER_BAND = 256  # rows measured from it at a time
 # A frame around the formula (a screenshot of a bordered box): thin lines at all four
 # edges of the ink, each along at least this share of its side, at most this share of
 # the other side thick, and clear of the ink inside.
@@ -297,19 +298,37 @@ def local_paper(pixels: np.ndarray, distance: np.ndarray) -> np.ndarray | None:
 
 def distance_from_paper_around(channels: np.ndarray, local: np.ndarray) -> np.ndarray:
     """Each pixel's largest channel difference from the paper around it (`local_paper`'s
-    blocks, scaled up smoothly), as uint8 [H, W]; where that paper leaves ink less room
-    (dark ink in a shadow) the difference is raised to what it would be on the most
-    even-lit paper, so that one stroke keeps one darkness across the picture."""
+    blocks, interpolated linearly between their centres), as uint8 [H, W]; where that
+    paper leaves ink less room (dark ink in a shadow) the difference is raised to what it
+    would be on the most even-lit paper, so that one stroke keeps one darkness across the
+    picture. Computed in bands of rows, so a large photo needs little memory."""
     height, width = channels.shape[:2]
-    distance = np.zeros((height, width), dtype=np.uint8)
-    for c in range(channels.shape[2]):
-        field = Image.fromarray(local[:, :, c]).resize((width, height), Image.BILINEAR)
-        value, around = channels[:, :, c], np.asarray(field)
-        np.maximum(distance, np.maximum(value, around) - np.minimum(value, around), out=distance)
     room = np.maximum(local, 255 - local).max(axis=2)  # how far ink can lie from the paper
-    gain = Image.fromarray((room.max() / room).astype(np.float32), "F")
-    gain = np.asarray(gain.resize((width, height), Image.BILINEAR))
-    return np.clip(distance * gain, 0, 255).astype(np.uint8)
+    gain = room.max() / room.astype(np.float32)
+    down, across = _spread(height, local.shape[0]), _spread(width, local.shape[1])
+    out = np.empty((height, width), dtype=np.uint8)
+    for top in range(0, height, PAPER_BAND):
+        rows = down[top : top + PAPER_BAND]
+        distance = None
+        for c in range(channels.shape[2]):
+            paper = rows @ local[:, :, c].astype(np.float32) @ across.T
+            here = np.abs(channels[top : top + PAPER_BAND, :, c] - paper)
+            distance = here if distance is None else np.maximum(distance, here, out=distance)
+        distance *= rows @ gain @ across.T
+        np.minimum(distance, 255.0, out=distance)
+        out[top : top + PAPER_BAND] = distance
+    return out
+
+
+def _spread(size: int, blocks: int) -> np.ndarray:
+    """Weights [size, blocks] that interpolate `blocks` values, one per equal block of a
+    line of `size` pixels, linearly between the blocks' centres (flat beyond the outer
+    ones)."""
+    centres = (np.arange(blocks) + 0.5) * size / blocks - 0.5
+    pixels = np.arange(size)
+    return np.stack([np.interp(pixels, centres, one) for one in np.eye(blocks)], axis=1).astype(
+        np.float32
+    )
 
 
 def inside_frame(gray: Image.Image) -> Image.Image | None:
