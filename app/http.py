@@ -6,6 +6,7 @@ import asyncio
 import base64
 import binascii
 import secrets
+from collections.abc import Sequence
 from typing import TypeVar
 
 from fastapi import Request
@@ -117,6 +118,38 @@ def check_api_key(request: Request, keys: list[str]) -> None:
         "send a valid API key as 'Authorization: Bearer <key>'",
         {"WWW-Authenticate": "Bearer"},
     )
+
+
+def preferred_type(accept: str, offered: Sequence[str]) -> str:
+    """The type of `offered` (in the server's order of preference) that an `Accept` header
+    prefers (RFC 9110, 12.5.1): the highest quality, given by the most specific range that
+    names the type (`image/png` over `image/*` over `*/*`); then the type a more specific
+    range names; then `offered`'s order. The first type without a header, or when the
+    header accepts none of them (the answer is then one the client did not ask for,
+    rather than none)."""
+    ranges: dict[str, float] = {}
+    for part in accept.split(","):
+        media, *params = (piece.strip() for piece in part.split(";"))
+        quality = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    quality = float(value)
+                except ValueError:
+                    quality = 0.0  # a malformed weight accepts nothing
+        if media:
+            ranges[media.lower()] = quality
+    best, best_key = offered[0], None
+    for order, kind in enumerate(offered):
+        names = (kind, kind.split("/")[0] + "/*", "*/*")  # most specific first
+        specificity, quality = next(
+            ((3 - i, ranges[name]) for i, name in enumerate(names) if name in ranges), (0, 0.0)
+        )
+        key = (quality, specificity, -order)
+        if quality > 0 and (best_key is None or key > best_key):
+            best, best_key = kind, key
+    return best
 
 
 def _media_type(request: Request) -> str:

@@ -17,7 +17,13 @@ from starlette.background import BackgroundTask
 
 from app import openai_api
 from app.errors import ApiError, error_response, openai_type, to_api_error
-from app.http import check_api_key, read_image_upload, read_json, unless_disconnected
+from app.http import (
+    check_api_key,
+    preferred_type,
+    read_image_upload,
+    read_json,
+    unless_disconnected,
+)
 from app.recognition_cache import RecognitionCache
 from app.schemas import (
     MAX_SIDE,
@@ -76,6 +82,8 @@ async def _lifespan(app: FastAPI):
 
 router = APIRouter(lifespan=_lifespan)
 
+# What /generate can answer, by the `Accept` header, in the order it prefers them.
+GENERATE_ANSWERS = ("application/json", "image/png", "text/event-stream")
 ERRORS = {
     status: {"model": ErrorBody, "description": text}
     for status, text in {
@@ -339,11 +347,11 @@ async def generate(request: Request) -> Response:
     async def flow(runtime: Runtime, model: str, trace: RequestTrace) -> Response:
         with trace.stage("http.parse"):
             body = await read_json(request, GenerateRequest)
-            accept = request.headers.get("accept", "")
-            wants_png = "image/png" in accept
+            answer = preferred_type(request.headers.get("accept", ""), GENERATE_ANSWERS)
+            wants_png = answer == "image/png"
             if wants_png and body.num_images != 1:
                 raise ApiError(422, "invalid_parameter", "Accept: image/png needs num_images = 1")
-        if "text/event-stream" in accept:
+        if answer == "text/event-stream":
             return await _progress_events(request, runtime, body, model, trace)
         images, result = await _generated(request, runtime, body, trace)
         pngs, seeds = images.pngs, images.seeds

@@ -11,8 +11,11 @@ import time
 import zlib
 
 import httpx
+import pytest
 from PIL import Image
 
+from app.http import preferred_type
+from app.routes import GENERATE_ANSWERS
 from tests.conftest import formula_png
 
 STAGES = {"http.parse", "preprocess", "queue.wait", "generate", "tokenize", "postprocess"}
@@ -148,6 +151,40 @@ def test_generate_answers_with_the_png_itself_when_asked(server):
     assert response.headers["content-type"] == "image/png"
     assert response.headers["x-texel-seed"] == "3"
     assert Image.open(io.BytesIO(response.content)).format == "PNG"
+
+
+def test_generate_answers_the_type_the_accept_header_prefers(server):
+    asked = {
+        "image/*": "image/png",  # what a browser's <img> sends, in essence
+        "image/png, */*": "image/png",
+        "application/json, image/png;q=0.5": "application/json",
+        "image/png;q=0.2, application/json;q=0.9": "application/json",
+        "image/png;q=0, */*": "application/json",
+        "*/*": "application/json",
+        "image/webp": "application/json",  # nothing it can make: its default
+    }
+    with server.client() as client:
+        for accept, expected in asked.items():
+            response = client.post(
+                "/generate", json={"prompt": "a square", "seed": 3}, headers={"Accept": accept}
+            )
+            assert response.status_code == 200, (accept, response.text)
+            assert response.headers["content-type"].split(";")[0] == expected, accept
+
+
+@pytest.mark.parametrize(
+    ("accept", "expected"),
+    [
+        ("", "application/json"),
+        ("text/event-stream", "text/event-stream"),
+        ("text/*;q=0.9, image/*;q=0.8", "text/event-stream"),
+        ("IMAGE/PNG", "image/png"),
+        ("image/png;q=abc", "application/json"),
+        ("image/*;q=0.5, image/png;q=0", "application/json"),
+    ],
+)
+def test_content_negotiation_follows_quality_then_specificity(accept, expected):
+    assert preferred_type(accept, GENERATE_ANSWERS) == expected
 
 
 # -- health, metrics, docs ----------------------------------------------------------
