@@ -198,8 +198,8 @@ def decode_image(data: bytes, max_pixels: int) -> Image.Image:
 
 def _flat_pixels(image: Image.Image) -> np.ndarray:
     """8-bit pixels, gray [H, W] or RGB [H, W, 3]: transparency flattened onto white (onto
-    black under light ink), 16-bit or float gray scaled to 8 bits (PIL's
-    own conversion clips it to white)."""
+    black under light ink), 16-bit or float gray scaled to 8 bits (PIL's own conversion
+    clips it to white)."""
     if image.mode.startswith("I") or image.mode == "F":
         values = np.asarray(image, dtype=np.float32)
         if image.mode.startswith("I;16"):
@@ -326,9 +326,8 @@ def _spread(size: int, blocks: int) -> np.ndarray:
     ones)."""
     centres = (np.arange(blocks) + 0.5) * size / blocks - 0.5
     pixels = np.arange(size)
-    return np.stack([np.interp(pixels, centres, one) for one in np.eye(blocks)], axis=1).astype(
-        np.float32
-    )
+    weights = [np.interp(pixels, centres, one) for one in np.eye(blocks)]
+    return np.stack(weights, axis=1).astype(np.float32)
 
 
 def inside_frame(gray: Image.Image) -> Image.Image | None:
@@ -350,17 +349,17 @@ def inside_frame(gray: Image.Image) -> Image.Image | None:
         count = int(np.argmin(full)) if not full.all() else full.size
         return count if count <= max(2, FRAME_THICKNESS * across) else 0
 
-    t = lines(box.mean(axis=1), height)
-    b = lines(box.mean(axis=1)[::-1], height)
-    l = lines(box.mean(axis=0), width)  # noqa: E741
-    r = lines(box.mean(axis=0)[::-1], width)
-    if not (t and b and l and r) or t + b + 2 >= height or l + r + 2 >= width:
+    across_rows, down_columns = box.mean(axis=1), box.mean(axis=0)
+    above, below = lines(across_rows, height), lines(across_rows[::-1], height)
+    before, after = lines(down_columns, width), lines(down_columns[::-1], width)
+    if not (above and below and before and after):
         return None
-    inner = box[t : height - b, l : width - r]
-    clear = not (inner[0].any() or inner[-1].any() or inner[:, 0].any() or inner[:, -1].any())
-    if not clear:
-        return None
-    return gray.crop((left + l, top + t, left + width - r, top + height - b))
+    if above + below + 2 >= height or before + after + 2 >= width:
+        return None  # nothing inside
+    inner = box[above : height - below, before : width - after]
+    if inner[0].any() or inner[-1].any() or inner[:, 0].any() or inner[:, -1].any():
+        return None  # ink runs into the lines: they are the formula's own
+    return gray.crop((left + before, top + above, left + width - after, top + height - below))
 
 
 def trim_margins(gray: Image.Image, margin: int) -> Image.Image:
