@@ -16,6 +16,7 @@ from models.formula.preprocess import (
     decode_image,
     inside_frame,
     local_paper,
+    on_its_card,
     pad_and_normalize,
     prepare_strip,
 )
@@ -280,6 +281,27 @@ def test_lines_that_are_not_a_frame_are_kept(sides):
     assert inside_frame(image) is None
     # Kept, the lines make the trimmed picture taller, so its strip narrower.
     assert prepare_strip(image, SPEC).shape[1] < prepare_strip(_formula_like(), SPEC).shape[1]
+
+
+@pytest.mark.parametrize("page", [(136, 136, 136), (30, 32, 40)], ids=["grey", "dark"])
+def test_a_formula_on_a_card_is_read_on_the_card(page):
+    from PIL import ImageDraw
+
+    plain = _formula_like()
+    shape = Image.new("L", plain.size, 0)
+    ImageDraw.Draw(shape).rounded_rectangle((0, 0, plain.width - 1, plain.height - 1), 10, 255)
+    on_page = Image.new("RGB", (plain.width + 60, plain.height + 60), page)
+    on_page.paste(plain.convert("RGB"), (30, 30), shape)
+    np.testing.assert_array_equal(prepare_strip(on_page, SPEC), prepare_strip(plain, SPEC))
+
+
+def test_sparse_ink_or_a_solid_shape_is_no_card():
+    pixels = np.asarray(_formula_like())[..., None]
+    assert on_its_card(pixels) is None
+    square = np.full((60, 60, 1), 255, dtype=np.uint8)
+    square[10:50, 10:50] = 0  # a lone solid shape: read as ink, not as a black card
+    assert on_its_card(square) is None
+    assert prepare_strip(Image.fromarray(square[..., 0]), SPEC).min() == 0
 
 
 def _lit_unevenly(image: Image.Image) -> Image.Image:

@@ -49,6 +49,10 @@ PAPER_BAND = 256  # rows measured from it at a time
 # the other side thick, and clear of the ink inside.
 FRAME_COVER = 0.75
 FRAME_THICKNESS = 0.1
+# A card (a light formula panel on a dark or grey page): at least this share of the
+# rectangle that holds everything off the page colour is off it, and at most the
+# complementary share of the picture's outermost pixels is.
+CARD_FILL = 0.9
 # Deskew tries tilts this many degrees apart, and turns a picture only when the best one
 # levels its rows this much better than no turn: clean renders, which a smaller gain
 # turns now and then, stay as they are.
@@ -237,10 +241,13 @@ def ink_on_paper(image: Image.Image) -> Image.Image | None:
     """
     if min(image.size) < MIN_SIDE:
         return None
-    pixels = _flat_pixels(image)
-    height, width = pixels.shape[:2]
+    channels = _flat_pixels(image)
+    channels = channels.reshape(*channels.shape[:2], -1)
+    card = on_its_card(channels)
+    if card is not None:
+        channels = card
+    height, width = channels.shape[:2]
     step = max(1, math.isqrt(height * width // 16384))  # statistics on a sample
-    channels = pixels.reshape(height, width, -1)
     sample = channels[::step, ::step]
     paper = [_quantile_u8(sample[:, :, c], 0.5) for c in range(channels.shape[2])]
     # Per channel, a 256-entry table gives each value's difference from the paper.
@@ -265,6 +272,64 @@ def ink_on_paper(image: Image.Image) -> Image.Image | None:
     # One lookup table maps each difference to its stretched gray.
     lut = np.clip(np.rint(255.0 - np.arange(256) * (255.0 / level)), 0, 255).astype(np.uint8)
     return Image.fromarray(lut[distance], "L")
+
+
+def on_its_card(channels: np.ndarray) -> np.ndarray | None:
+    """The card that a picture's ink sits on, or None without one: a rectangle of another
+    colour than the page around it (a formula panel in a dark or grey app, a white image
+    on a coloured web page), cut out, its rounded corners filled with its own colour.
+    The page must ring the picture in one colour, and what is off that colour must fill
+    its bounding box (`CARD_FILL`): a formula on plain paper, whose ink is sparse, has no
+    card, nor has a solid shape with nothing on it. Decided on a sample of the picture,
+    so a picture without a card costs little."""
+    height, width, depth = channels.shape
+    if min(height, width) < 4 * MIN_SIDE:
+        return None
+    ring = np.concatenate(
+        [channels[:2].reshape(-1, depth), channels[-2:].reshape(-1, depth)]
+        + [channels[:, :2].reshape(-1, depth), channels[:, -2:].reshape(-1, depth)]
+    )
+    page = np.median(ring, axis=0).round().astype(np.uint8)
+    if _far_from(ring, page).mean() > 1 - CARD_FILL:
+        return None  # no single page colour around the picture
+    step = max(1, math.isqrt(height * width // 16384))
+    if _card_box(_far_from(channels[::step, ::step], page)) is None:
+        return None
+    box = _card_box(_far_from(channels, page))
+    if box is None:
+        return None
+    card = channels[box].copy()
+    colour = np.median(card.reshape(-1, depth), axis=0).round().astype(np.uint8)
+    if _far_from(card, colour).sum() < MIN_SIDE:
+        return None  # a solid shape, not a card with something on it
+    corner = max(2, min(card.shape[:2]) // 8)
+    for ys in (slice(0, corner), slice(-corner, None)):
+        for xs in (slice(0, corner), slice(-corner, None)):
+            square = card[ys, xs]
+            square[~_far_from(square, page)] = colour
+    return card
+
+
+def _card_box(off_page: np.ndarray) -> tuple[slice, slice] | None:
+    """The bounding box of what is off the page colour, where it is a filled rectangle of
+    a few pixels or more each way; else None."""
+    rows, cols = np.flatnonzero(off_page.any(axis=1)), np.flatnonzero(off_page.any(axis=0))
+    if rows.size == 0:
+        return None
+    box = (slice(rows[0], rows[-1] + 1), slice(cols[0], cols[-1] + 1))
+    if min(rows[-1] - rows[0], cols[-1] - cols[0]) < 2 * MIN_SIDE:
+        return None
+    return box if off_page[box].mean() >= CARD_FILL else None
+
+
+def _far_from(pixels: np.ndarray, colour: np.ndarray) -> np.ndarray:
+    """Whether each pixel [..., C] lies `INK_MIN_CONTRAST` or more from `colour` [C] in
+    some channel (one table lookup per channel)."""
+    far = np.zeros(pixels.shape[:-1], dtype=bool)
+    levels = np.arange(256)
+    for c, value in enumerate(colour):
+        far |= (np.abs(levels - int(value)) >= INK_MIN_CONTRAST)[pixels[..., c]]
+    return far
 
 
 def _blocks(values: np.ndarray) -> np.ndarray | None:

@@ -12,7 +12,7 @@ never counts. Prints a markdown table.
 
 scores the same formulas once per picture variant (`VARIANTS`: sizes, JPEG, dark
 mode, colours, margins, rotation, contrast, a frame, uneven lighting, noise, blur,
-transparency), each variant's bytes going through
+transparency, a card on a page), each variant's bytes going through
 the server's adapter as an upload would, with the preprocessing time per image.
 
     python -m training.formula.evaluate --school ../shared/data/k12-formulas --threads 2
@@ -299,6 +299,17 @@ def _framed(image: Image.Image) -> Image.Image:
     return framed
 
 
+def _on_a_card(image: Image.Image, page: tuple[int, int, int], radius: int) -> Image.Image:
+    """On a white card with rounded corners, 16 px of padding, 40 px inside a page of
+    another colour: a formula panel in a grey or dark app."""
+    card = ImageOps.expand(image.convert("RGB"), 16, (255, 255, 255))
+    shape = Image.new("L", card.size, 0)
+    ImageDraw.Draw(shape).rounded_rectangle((0, 0, card.width - 1, card.height - 1), radius, 255)
+    out = Image.new("RGB", (card.width + 80, card.height + 80), page)
+    out.paste(card, (40, 40), shape)
+    return out
+
+
 def _unevenly_lit(image: Image.Image) -> Image.Image:
     """Paper from white at the top left to 50% grey at the bottom right, as a photo under
     a lamp; the ink keeps its darkness."""
@@ -343,6 +354,8 @@ VARIANTS = {
     "noise": lambda im: _png(_noisy(im, 14.0)),
     "blurred": lambda im: _png(im.convert("RGB").filter(ImageFilter.GaussianBlur(0.8))),
     "white ink, transparent": lambda im: _png(_light_on_transparent(im)),
+    "on a card, grey page": lambda im: _png(_on_a_card(im, (136, 136, 136), 8)),
+    "on a card, dark page": lambda im: _png(_on_a_card(im, (30, 32, 40), 12)),
 }
 
 
