@@ -19,6 +19,6 @@ bash bench/device/formula_train.sh 0 "$MINUTES" 2.5e-4 0.25 "$SEED" \
     --school /tmp/d/k12-formulas --rendered "$SETS" --rendered-fraction 0.35 \
     --small-share 0.5 "$@"
 grep -E "^\||trained|rc=|smaller copies|rendered sets" $OUT/train.log
-timeout 120 python3 -m training.formula.evaluate --data /tmp/d/im2latex-val --model /tmp/fm \
+timeout 180 python3 -m training.formula.evaluate --data /tmp/d/im2latex-val --model /tmp/fm \
     --served --variants --limit 120 --dtype auto --batch-size 16 > $OUT/variants.log 2>&1
-tail -16 $OUT/variants.log
+tail -23 $OUT/variants.log
