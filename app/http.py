@@ -232,10 +232,11 @@ async def _read_multipart(request: Request, max_bytes: int) -> bytes:
 
 
 def _decode_base64(encoded: str) -> bytes:
-    """Standard or URL-safe base64 (RFC 4648), padded or not, or a browser's data URL."""
+    """Standard or URL-safe base64 (RFC 4648), padded or not, wrapped in lines or not (as
+    the `base64` command writes it), or a browser's data URL."""
     if encoded.startswith("data:"):
         encoded = encoded.partition(",")[2]
-    encoded = encoded.translate(URL_SAFE).rstrip("=")
+    encoded = "".join(encoded.split()).translate(URL_SAFE).rstrip("=")
     try:
         return base64.b64decode(encoded + "=" * (-len(encoded) % 4), validate=True)
     except (binascii.Error, ValueError):

@@ -47,6 +47,7 @@ def test_recognize_says_how_sure_it_is_and_nothing_for_a_picture_without_ink(ser
 
 
 def test_recognize_accepts_base64_json_and_the_image_as_the_body(server):
+    # multipart, base64 (standard, URL-safe unpadded, in 76-character lines, a data URL), raw
     data = formula_png("a^2 + b, as a body")
     encoded = base64.b64encode(data).decode()
     url_safe = base64.urlsafe_b64encode(data).decode().rstrip("=")
@@ -56,6 +57,7 @@ def test_recognize_accepts_base64_json_and_the_image_as_the_body(server):
             client.post("/recognize", files={"image": ("f.png", data, "image/png")}),
             client.post("/recognize", json={"image_base64": encoded}),
             client.post("/recognize", json={"image_base64": url_safe}),
+            client.post("/recognize", json={"image_base64": base64.encodebytes(data).decode()}),
             client.post("/recognize", json={"image_base64": "data:image/png;base64," + encoded}),
             client.post("/recognize", content=data, headers={"content-type": "image/png"}),
             client.post(
