@@ -304,6 +304,28 @@ def test_sparse_ink_or_a_solid_shape_is_no_card():
     assert prepare_strip(Image.fromarray(square[..., 0]), SPEC).min() == 0
 
 
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "dark mode (inverted)",
+        "dark mode, grey on charcoal",
+        "low contrast",
+        "wide margins",
+        "in a box",
+        "white ink, transparent",
+        "on a card, grey page",
+        "on a card, dark page",
+    ],
+)
+def test_an_evaluation_variant_reaches_the_model_as_the_clean_picture(variant):
+    # `make eval-formula`'s pictures (not run in CI): these must not change the model's input.
+    from training.formula.evaluate import VARIANTS
+
+    clean = _formula_like().convert("RGB")
+    upload = decode_image(VARIANTS[variant](clean), max_pixels=10**7)
+    np.testing.assert_array_equal(prepare_strip(upload, SPEC), prepare_strip(clean, SPEC))
+
+
 def _lit_unevenly(image: Image.Image) -> Image.Image:
     """The paper from white on the left to 45% grey on the right; the ink stays black."""
     gray = np.asarray(image.convert("L"), dtype=np.float32) / 255.0
