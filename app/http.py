@@ -34,7 +34,7 @@ Schema = TypeVar("Schema", bound=BaseModel)
 def body_limit(content_type: str, max_upload_bytes: int) -> int:
     """Largest acceptable body: base64 in JSON (any body but multipart or a raw image is
     read as JSON) inflates an upload by 4/3."""
-    if _is_raw_image(content_type.partition(";")[0].strip()):
+    if _is_raw_image(_media_type(content_type)):
         return max_upload_bytes
     if content_type.startswith("multipart/"):
         return max_upload_bytes + MULTIPART_OVERHEAD
@@ -152,8 +152,9 @@ def preferred_type(accept: str, offered: Sequence[str]) -> str:
     return best
 
 
-def _media_type(request: Request) -> str:
-    return request.headers.get("content-type", "").partition(";")[0].strip().lower()
+def _media_type(content_type: str) -> str:
+    """`image/png` of `Image/PNG; charset=...`."""
+    return content_type.partition(";")[0].strip().lower()
 
 
 def _is_json(media_type: str) -> bool:
@@ -172,7 +173,7 @@ def _is_raw_image(media_type: str) -> bool:
 async def read_json(request: Request, schema: type[Schema]) -> Schema:
     """The body as `schema`: 415 for a body that is not JSON, 400 for one that is empty
     or not a JSON object (nested too deep included), 422 for fields that do not match."""
-    if not _is_json(_media_type(request)):
+    if not _is_json(_media_type(request.headers.get("content-type", ""))):
         raise unsupported_media_type("JSON with Content-Type: application/json")
     return _parse_json(await request.body(), schema)
 
@@ -196,7 +197,7 @@ def _parse_json(body: bytes, schema: type[Schema]) -> Schema:
 async def read_image_upload(request: Request, max_bytes: int) -> bytes:
     """The image bytes of a /recognize request: multipart field `image`, JSON
     `image_base64`, or the body itself sent as `image/*`."""
-    media_type = _media_type(request)
+    media_type = _media_type(request.headers.get("content-type", ""))
     if media_type == "multipart/form-data":
         data = await _read_multipart(request, max_bytes)
     elif _is_raw_image(media_type):

@@ -250,15 +250,10 @@ def ink_on_paper(image: Image.Image) -> Image.Image | None:
     step = max(1, math.isqrt(height * width // 16384))  # statistics on a sample
     sample = channels[::step, ::step]
     paper = [_quantile_u8(sample[:, :, c], 0.5) for c in range(channels.shape[2])]
-    # Per channel, a 256-entry table gives each value's difference from the paper.
-    values = np.arange(256, dtype=np.int16)
-    distance = None
-    for c in range(channels.shape[2]):
-        table = np.abs(values - paper[c]).astype(np.uint8)
-        here = table[channels[:, :, c]]
-        distance = here if distance is None else np.maximum(distance, here, out=distance)
-    local = local_paper(sample, distance[::step, ::step])
-    if local is not None:
+    local = local_paper(sample, _distance(sample, paper))
+    if local is None:
+        distance = _distance(channels, paper)
+    else:
         distance = distance_from_paper_around(channels, local)
     strong = distance[::step, ::step]
     strong = strong[strong >= INK_MIN_CONTRAST]
@@ -322,14 +317,20 @@ def _card_box(off_page: np.ndarray) -> tuple[slice, slice] | None:
     return box if off_page[box].mean() >= CARD_FILL else None
 
 
-def _far_from(pixels: np.ndarray, colour: np.ndarray) -> np.ndarray:
-    """Whether each pixel [..., C] lies `INK_MIN_CONTRAST` or more from `colour` [C] in
-    some channel (one table lookup per channel)."""
-    far = np.zeros(pixels.shape[:-1], dtype=bool)
-    levels = np.arange(256)
+def _distance(pixels: np.ndarray, colour) -> np.ndarray:
+    """Each pixel's largest channel difference from `colour` [C], uint8 [...] for pixels
+    [..., C]: per channel, a 256-entry table gives each value's difference."""
+    levels = np.arange(256, dtype=np.int16)
+    distance = None
     for c, value in enumerate(colour):
-        far |= (np.abs(levels - int(value)) >= INK_MIN_CONTRAST)[pixels[..., c]]
-    return far
+        here = np.abs(levels - int(value)).astype(np.uint8)[pixels[..., c]]
+        distance = here if distance is None else np.maximum(distance, here, out=distance)
+    return distance
+
+
+def _far_from(pixels: np.ndarray, colour) -> np.ndarray:
+    """Whether each pixel [..., C] lies `INK_MIN_CONTRAST` or more from `colour` [C]."""
+    return _distance(pixels, colour) >= INK_MIN_CONTRAST
 
 
 def _blocks(values: np.ndarray) -> np.ndarray | None:
