@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,7 @@ from training.formula.evaluate import (
     corpus_bleu,
     edit_distance,
     normalized_edit_distance,
+    rendered_identically,
     score,
 )
 from training.formula.synth import FormulaComposer, mathtext_source
@@ -134,3 +137,28 @@ def test_confidence_auroc_is_the_chance_a_right_answer_is_surer_than_a_wrong_one
     assert auroc([0.1], [0.9]) == 0.0
     assert auroc([0.5, 0.9], [0.5, 0.1]) == pytest.approx((1 + 0.5 + 1 + 1) / 4)
     assert auroc([], [0.3]) is None and auroc([0.3], []) is None
+
+
+@pytest.mark.skipif(
+    shutil.which("latex") is None or shutil.which("dvipng") is None,
+    reason="latex and dvipng are not installed (apt-get install texlive-latex-base dvipng)",
+)
+def test_rendered_identically_counts_what_a_reader_sees():
+    references = [
+        r"{ \frac { 1 } { 2 } } + x",  # braces that draw nothing
+        r"\frac 1 2",  # the same fraction without its braces
+        r"a + b",
+        r"x ^ { 2 }",
+        r"\sum _ { i } x _ { i }",
+        r"\frac { 1 } { 2",  # LaTeX cannot draw this reference: not counted
+    ]
+    answers = [
+        r"\frac { 1 } { 2 } + x",  # drawn alike
+        r"\frac { 1 } { 2 }",  # drawn alike
+        r"a - b",  # another formula
+        r"x ^ { 2 }",  # equal tokens
+        r"\sum _ { i } x _ { i",  # LaTeX cannot draw the answer: different
+        r"\frac { 1 } { 2 }",
+    ]
+    assert rendered_identically(references, answers) == (3, 5)
+    assert score(references, answers).exact_match == pytest.approx(1 / 6)

@@ -6,7 +6,8 @@
 Images go through the server's preprocessing and are decoded greedily in
 width-sorted batches padded to the server's bucket widths. Scores are computed
 on `latex_tokens` (commands, escaped symbols, single characters), so spacing
-never counts. Prints a markdown table.
+never counts; where LaTeX is installed, also the share of answers it draws exactly
+as their reference (`rendered_identically`). Prints a markdown table.
 
     python -m training.formula.evaluate --served --variants --limit 120 --threads 2
 
@@ -135,6 +136,48 @@ def score(references: Sequence[str], hypotheses: Sequence[str]) -> Scores:
     )
 
 
+# The resolution at which `rendered_identically` compares two drawings: a difference it
+# cannot see is under a twelfth of a millimetre on paper.
+RENDER_DPI = 300
+
+
+def rendered_identically(
+    references: Sequence[str], hypotheses: Sequence[str]
+) -> tuple[int, int] | None:
+    """How many answers LaTeX draws exactly as their reference, and of how many
+    references LaTeX can draw; None where `latex` is not installed.
+
+    Exact match counts `{ \\frac 1 2 }` against `\\frac { 1 } { 2 }` as wrong; a reader
+    sees the same formula. So both are drawn by LaTeX in Computer Modern at
+    `RENDER_DPI`, cropped to their ink and compared pixel for pixel. An answer equal in
+    tokens counts without drawing; one LaTeX cannot draw counts as different.
+    """
+    if not have_latex():
+        return None
+    different = [
+        i
+        for i, (r, h) in enumerate(zip(references, hypotheses, strict=True))
+        if latex_tokens(r) != latex_tokens(h)
+    ]
+    formulas = list(references) + [hypotheses[i] for i in different]
+    drawn = [
+        None if page is None else latex_render.crop_to_ink(page)
+        for page in latex_render.render_pages(formulas, [RENDER_DPI] * len(formulas))
+    ]
+    answers = dict(zip(different, drawn[len(references) :], strict=True))
+    same = drawable = 0
+    for i, reference in enumerate(drawn[: len(references)]):
+        if reference is None:
+            continue
+        drawable += 1
+        if i not in answers:
+            same += 1
+            continue
+        answer = answers[i]
+        same += answer is not None and np.array_equal(np.asarray(reference), np.asarray(answer))
+    return same, drawable
+
+
 def load_model(model_dir: str | Path, device: str = "cpu", dtype: str = "float32"):
     """Model, tokenizer and image spec, loaded the way the server loads them (`dtype` as
     `TEXEL_DTYPE`: auto, float32, float16 or bfloat16)."""
@@ -178,13 +221,21 @@ def recognize(
 
 
 def served_runner(
-    model_dir: str | Path, device: str, dtype: str, batch_size: int, bucket_step: int
+    model_dir: str | Path,
+    device: str,
+    dtype: str,
+    batch_size: int,
+    bucket_step: int,
+    num_beams: int = 1,
 ):
-    """The server's formula adapter loaded and warmed up on `device`, and its batch runner."""
+    """The server's formula adapter loaded and warmed up on `device`, and its batch runner
+    (beam search on `generate()` with `num_beams` > 1, as `TEXEL_FORMULA__ADVANCED__NUM_BEAMS`)."""
     from models.formula.adapter import FormulaRecognizer
 
     target = torch.device(device)
-    recognizer = FormulaRecognizer(str(model_dir), [target], dtype=dtype, bucket_step=bucket_step)
+    recognizer = FormulaRecognizer(
+        str(model_dir), [target], dtype=dtype, bucket_step=bucket_step, num_beams=num_beams
+    )
     recognizer.open()
     recognizer.load(target)
     recognizer.warmup(target, batch_size)
@@ -214,11 +265,12 @@ def recognize_served(
     images: Sequence[bytes],
     batch_size: int = 16,
     bucket_step: int = BUCKET_STEP,
+    num_beams: int = 1,
 ) -> list[str]:
-    """Greedy transcriptions of image files, in input order, through the server's own
-    adapter: its image decoding, its decoder (the static one where it applies) in the
+    """Transcriptions of image files, in input order, through the server's own adapter:
+    its image decoding, its decoder (the static one where it applies: greedy) in the
     dtype `TEXEL_DTYPE=dtype` gives, batches of similar width as its batcher merges them."""
-    recognizer, run = served_runner(model_dir, device, dtype, batch_size, bucket_step)
+    recognizer, run = served_runner(model_dir, device, dtype, batch_size, bucket_step, num_beams)
     return transcribe(recognizer, run, recognizer.preprocessor, images, batch_size).latex
 
 
@@ -675,9 +727,9 @@ def single_latency_ms(
 
 def markdown_table(scores: Scores, extra: dict[str, str] | None = None) -> str:
     rows = [
-        ("BLEU-4", f"{scores.bleu4:.4f}", "≥ 0.88"),
-        ("normalized edit distance", f"{scores.edit_distance:.4f}", "≤ 0.08"),
-        ("exact match", f"{scores.exact_match:.2%}", "≥ 40%"),
+        ("BLEU-4", f"{scores.bleu4:.4f}", "≥ 0.90"),
+        ("normalized edit distance", f"{scores.edit_distance:.4f}", "≤ 0.065"),
+        ("exact match", f"{scores.exact_match:.2%}", "≥ 45%"),
         ("images (n)", str(scores.count), ""),
     ]
     for name, value in (extra or {}).items():
@@ -740,6 +792,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="decode through the server's adapter and decoder, not transformers' generate()",
     )
     parser.add_argument(
+        "--beams",
+        type=int,
+        default=1,
+        help="with --served: beam search with this many beams (1: greedy, as served by default)",
+    )
+    parser.add_argument(
         "--latency", action="store_true", help="also time one typical formula on 2 CPU threads"
     )
     parser.add_argument(
@@ -788,6 +846,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     renderers = args.renderers.split(",") if args.renderers else None
     if renderers and not set(renderers) <= {s.renderer for s in SCHOOL_STYLES}:
         parser.error(f"--renderers: one of latex, katex, mathtext, not {args.renderers!r}")
+    if args.beams > 1 and not args.served:
+        parser.error("--beams needs --served")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.school:
@@ -836,7 +896,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         images = [(images_dir / s.name).read_bytes() for s in chosen]
         start = time.perf_counter()
         hypotheses = recognize_served(
-            args.model, args.device, args.dtype, images, args.batch_size, args.bucket_width
+            args.model,
+            args.device,
+            args.dtype,
+            images,
+            args.batch_size,
+            args.bucket_width,
+            args.beams,
         )
     else:
         strips = load_strips(args.data, chosen, spec)
@@ -849,6 +915,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         "split": args.split,
         "decode time": f"{elapsed:.1f} s on {args.device}, {model.dtype}".replace("torch.", ""),
     }
+    if args.beams > 1:
+        extra["beams"] = str(args.beams)
+    drawn = rendered_identically(references, hypotheses)
+    extra["renders identically"] = (
+        "not measured: LaTeX is not installed"
+        if drawn is None
+        else f"{drawn[0] / max(drawn[1], 1):.2%} (of the {drawn[1]} references LaTeX draws)"
+    )
     if args.latency:
         torch.set_num_threads(2)
         cpu = torch.device("cpu")
