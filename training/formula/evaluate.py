@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFilter, ImageOps
 
-from models.devices import resolve_dtype
+from models.devices import resolve_devices, resolve_dtype
 from models.formula.preprocess import FormulaImageSpec, FormulaPreprocessor
 from training.formula import latex_render, school, synth
 from training.formula.data import (
@@ -232,7 +232,9 @@ def served_runner(
     (beam search on `generate()` with `num_beams` > 1, as `TEXEL_FORMULA__ADVANCED__NUM_BEAMS`)."""
     from models.formula.adapter import FormulaRecognizer
 
-    target = torch.device(device)
+    # As the server resolves TEXEL_DEVICE: "cuda" is the first GPU, cuda:0, the name its
+    # decoder's tensors report.
+    target = resolve_devices(device)[0]
     recognizer = FormulaRecognizer(
         str(model_dir), [target], dtype=dtype, bucket_step=bucket_step, num_beams=num_beams
     )
