@@ -35,6 +35,9 @@ INK_MIN_CONTRAST = 32
 FULL_CONTRAST = 192
 # A picture needs at least this many pixels each way to hold something legible.
 MIN_SIDE = 4
+# Statistics of the whole picture (its paper colour, whether it sits on a card) are taken
+# on a regular sample of about this many pixels.
+SAMPLE_PIXELS = 16384
 # Median stroke width, in pixels, of the im2latex images (im2markup's 200 dpi renders
 # downsampled by 2) that the default model was trained on: `stroke_width` measures it.
 IM2LATEX_STROKE_WIDTH = 1.17
@@ -247,7 +250,7 @@ def ink_on_paper(image: Image.Image) -> Image.Image | None:
     if card is not None:
         channels = card
     height, width = channels.shape[:2]
-    step = max(1, math.isqrt(height * width // 16384))  # statistics on a sample
+    step = _sample_step(height, width)
     sample = channels[::step, ::step]
     paper = [_quantile_u8(sample[:, :, c], 0.5) for c in range(channels.shape[2])]
     local = local_paper(sample, _distance(sample, paper))
@@ -287,7 +290,7 @@ def on_its_card(channels: np.ndarray) -> np.ndarray | None:
     page = np.median(ring, axis=0).round().astype(np.uint8)
     if _far_from(ring, page).mean() > 1 - CARD_FILL:
         return None  # no single page colour around the picture
-    step = max(1, math.isqrt(height * width // 16384))
+    step = _sample_step(height, width)
     if _card_box(_far_from(channels[::step, ::step], page)) is None:
         return None
     box = _card_box(_far_from(channels, page))
@@ -315,6 +318,11 @@ def _card_box(off_page: np.ndarray) -> tuple[slice, slice] | None:
     if min(rows[-1] - rows[0], cols[-1] - cols[0]) < 2 * MIN_SIDE:
         return None
     return box if off_page[box].mean() >= CARD_FILL else None
+
+
+def _sample_step(height: int, width: int) -> int:
+    """The stride, each way, of a sample of about `SAMPLE_PIXELS` pixels."""
+    return max(1, math.isqrt(height * width // SAMPLE_PIXELS))
 
 
 def _distance(pixels: np.ndarray, colour) -> np.ndarray:
