@@ -675,3 +675,41 @@ def test_both_decoders_answer_with_the_same_confidence(tiny_model_dir) -> None:
     assert [t.confidence for t in static] == pytest.approx(
         [t.confidence for t in generate], rel=1e-4
     )
+
+
+def test_the_compiled_step_decodes_like_generate(tiny_model) -> None:
+    """`compile_step`: the fixed-shape step, compiled once for every bucket of two rows or
+    more (rows symbolic) and once for one row (which torch always specializes), gives
+    generate()'s tokens, rows ending early included, in buckets of 4, 1 and 2 rows."""
+    import copy
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = copy.deepcopy(tiny_model)
+    _force_eos(model, _pixels(5, 256, seed=7))
+    decoder = StaticGreedyDecoder(
+        model,
+        max_batch_size=4,
+        max_new_tokens=MAX_NEW_TOKENS,
+        max_source_len=TINY_SOURCE_LEN,
+        use_cuda_graphs=True,  # the step graphs capture; on a CPU it runs uncaptured
+        compile_step=True,
+    )
+    for batch, width, seed in [(4, 256, 7), (1, 128, 1), (2, 64, 3)]:
+        pixels = _pixels(batch, width, seed=seed)
+        expected = _generate(model, pixels, MAX_NEW_TOKENS)
+        assert torch.equal(decoder.decode(pixels).tokens, expected)
+    compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert compiles == 2, f"{compiles} graphs compiled, two expected"
+
+
+def test_the_compiled_step_needs_the_fixed_shape_step(tiny_model) -> None:
+    with pytest.raises(ValueError, match="compile_step"):
+        StaticGreedyDecoder(
+            tiny_model,
+            max_batch_size=2,
+            max_new_tokens=8,
+            max_source_len=TINY_SOURCE_LEN,
+            use_cuda_graphs=False,
+            compile_step=True,
+        )

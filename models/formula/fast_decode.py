@@ -718,8 +718,9 @@ class StaticGreedyDecoder:
             self._step_fn(bucket)
 
     def _compiled_step(self) -> Callable[[int], None]:
-        """`_step` compiled once for every batch bucket: the row count is symbolic, the
-        buffers whole (as a graph reads them), so no bucket recompiles."""
+        """`_step` compiled for every batch bucket at once: the row count is symbolic
+        (torch specializes a count of one, so that bucket compiles apart) and the buffers
+        are whole, as a graph reads them."""
         if not self.use_cuda_graphs:
             raise ValueError("compile_step needs the fixed-shape step (use_cuda_graphs)")
         return torch.compile(self._step, dynamic=True, fullgraph=True)
