@@ -7,26 +7,26 @@
 #   3. bench.compare engine-only at 256 in flight, batches of at most 256, as it is;
 #   4. the same with the served decoder compiled: this copy of the tree only, the
 #      adapter's StaticGreedyDecoder(...) given compile_step=True by sed before the step.
-# Logs and records under $OUT; within about 560 s.
+# Logs and records under $OUT; within about 450 s.
 #   carry: .whl .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/compile_step.sh COMMIT
 COMMIT=${1:?usage: bash bench/device/compile_step.sh COMMIT}
 T0=$(date +%s)
-END=$((T0 + 560))
+END=$((T0 + 450))
 source bench/device/step.sh
 prepare "$COMMIT" .whl
 L=$OUT/bench.log
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >> $L 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> $L 2>&1
 SWEEP="python3 -m bench.step_profile --data /tmp/b --sweep 64,128,256 --repeats 50"
-step 01-step-sweep 60 30 $SWEEP
-step 02-step-sweep-compiled 200 60 $SWEEP --compile
+step 01-step-sweep 50 30 $SWEEP
+step 02-step-sweep-compiled 170 60 $SWEEP --compile
 COMPARE="python3 -m bench.compare --data /tmp/b --duration 10 --warmup 2
     --client-processes 4 --out $OUT/h200-engine.jsonl --max-batch-size 256
     --servers engine-only --concurrency 256"
-step 03-engine-only 120 60 $COMPARE
+step 03-engine-only 100 60 $COMPARE
 sed -i 's/            max_source_len=source_len,$/&\n            compile_step=model.device.type == "cuda",/' models/formula/adapter.py
 grep -n "compile_step" models/formula/adapter.py >> $L
 export TEXEL_COMMIT=$COMMIT-compiled
-step 04-engine-only-compiled 170 60 $COMPARE
+step 04-engine-only-compiled 130 60 $COMPARE
 summarize '^(\||\{)|ready on|identical|differ|Error|error'
