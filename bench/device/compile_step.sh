@@ -7,12 +7,13 @@
 #   3. bench.compare engine-only at 256 in flight, batches of at most 256, as it is;
 #   4. the same with the served decoder compiled: this copy of the tree only, the
 #      adapter's StaticGreedyDecoder(...) given compile_step=True by sed before the step.
-# Logs and records under $OUT; within about 450 s.
+# Logs and records under $OUT; within CALL_S seconds (default 450); the engine-only pair
+# runs only when both fit.
 #   carry: .whl .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/compile_step.sh COMMIT
 COMMIT=${1:?usage: bash bench/device/compile_step.sh COMMIT}
 T0=$(date +%s)
-END=$((T0 + 450))
+END=$((T0 + ${CALL_S:-450}))
 source bench/device/step.sh
 prepare "$COMMIT" .whl
 L=$OUT/bench.log
@@ -24,7 +25,7 @@ step 02-step-sweep-compiled 170 60 $SWEEP --compile
 COMPARE="python3 -m bench.compare --data /tmp/b --duration 10 --warmup 2
     --client-processes 4 --out $OUT/h200-engine.jsonl --max-batch-size 256
     --servers engine-only --concurrency 256"
-step 03-engine-only 100 60 $COMPARE
+step 03-engine-only 100 200 $COMPARE
 sed -i 's/            max_source_len=source_len,$/&\n            compile_step=model.device.type == "cuda",/' models/formula/adapter.py
 grep -n "compile_step" models/formula/adapter.py >> $L
 export TEXEL_COMMIT=$COMMIT-compiled
