@@ -375,8 +375,9 @@ class FormulaRecognizer(Model):
         if decoder.device.type != "cuda":
             return None
         key = str(decoder.device)
-        if key not in self._uploads:
-            size = decoder.max_batch_size * self._spec.height * self._spec.max_width
+        size = decoder.max_batch_size * self._spec.height * self._spec.max_width
+        if key not in self._uploads or self._uploads[key].size < size:
+            # a decoder with more rows than the one the buffers were made for (benchmarks)
             self._uploads[key] = _PinnedBuffers(size, decoder.device)
         return self._uploads[key]
 
@@ -536,6 +537,7 @@ class _PinnedBuffers:
     for uploads that must not queue behind that work either."""
 
     def __init__(self, size: int, device: torch.device, count: int = 3) -> None:
+        self.size = size
         self._buffers = [
             torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(count)
         ]
