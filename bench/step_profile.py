@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.common import commit, formula_images
+from bench.common import append_records, commit, formula_images
 from bench.compare import gpu_name
 from bench.server import ROOT
 from models.devices import resolve_devices
@@ -110,8 +110,15 @@ def sweep(args, recognizer: FormulaRecognizer, device, sizes: list[int]) -> None
         fields["step_ms"] = round(step_ms(decoder, args.repeats), 4)
         if args.compile:
             fields["identical_to_uncompiled"] = identical(recognizer, decoder, make(False), items)
-        print(json.dumps(record("formula-step-sweep", device, **fields)), flush=True)
+        emit(args, record("formula-step-sweep", device, **fields))
         del decoder
+
+
+def emit(args, result: dict) -> None:
+    """Print a record as one JSON line, and append it to `--out` if given."""
+    print(json.dumps(result), flush=True)
+    if args.out:
+        append_records([result], args.out)
 
 
 def identical(recognizer, decoder, reference, items: list) -> str:
@@ -136,6 +143,7 @@ def main() -> None:
     )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--sweep", default=None, help="row counts, comma-separated")
+    parser.add_argument("--out", type=Path, default=None, help="JSON-lines file to append to")
     parser.add_argument(
         "--compile", action="store_true", help="sweep with the step compiled by torch.compile"
     )
@@ -184,7 +192,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    print(json.dumps(result), flush=True)
+    emit(args, result)
     print(prof.key_averages().table(sort_by=sort, row_limit=25))
 
 

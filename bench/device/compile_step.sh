@@ -3,31 +3,33 @@
 # by torch.compile (`StaticGreedyDecoder(compile_step=True)`) against the step as it is,
 # at COMMIT.
 #   1. bench.step_profile --sweep: a step's time at 64, 128 and 256 rows, as it is;
-#   2. the same compiled, with how many rows decode to the same tokens as uncompiled;
+#   2. the same compiled at 256 rows, with how many rows decode to the same tokens as
+#      uncompiled (compiling and capturing a decoder's graphs took about 85 s on an H100
+#      machine's 16 cores, bench/RESULTS.md);
 #   3. bench.compare engine-only at 256 in flight, batches of at most 256, as it is;
 #   4. the same with the served decoder compiled: this copy of the tree only, the
 #      adapter's StaticGreedyDecoder(...) given compile_step=True by sed before the step.
-# Logs and records under $OUT; within CALL_S seconds (default 450); the engine-only pair
+# Logs and records under $OUT; within CALL_S seconds (default 560); the engine-only pair
 # runs only when both fit.
 #   carry: .whl .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/compile_step.sh COMMIT
 COMMIT=${1:?usage: bash bench/device/compile_step.sh COMMIT}
 T0=$(date +%s)
-END=$((T0 + ${CALL_S:-450}))
+END=$((T0 + ${CALL_S:-560}))
 source bench/device/step.sh
 prepare "$COMMIT" .whl
 L=$OUT/bench.log
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >> $L 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> $L 2>&1
-SWEEP="python3 -m bench.step_profile --data /tmp/b --sweep 64,128,256 --repeats 50"
-step 01-step-sweep 50 30 $SWEEP
-step 02-step-sweep-compiled 170 60 $SWEEP --compile
+SWEEP="python3 -m bench.step_profile --data /tmp/b --repeats 50 --out $OUT/steps.jsonl"
+step 01-step-sweep 50 30 $SWEEP --sweep 64,128,256
+step 02-step-sweep-compiled 150 120 $SWEEP --sweep 256 --compile
 COMPARE="python3 -m bench.compare --data /tmp/b --duration 10 --warmup 2
-    --client-processes 4 --out $OUT/h200-engine.jsonl --max-batch-size 256
+    --client-processes 4 --out $OUT/engine.jsonl --max-batch-size 256
     --servers engine-only --concurrency 256"
-step 03-engine-only 100 200 $COMPARE
+step 03-engine-only 100 320 $COMPARE
 sed -i 's/            max_source_len=source_len,$/&\n            compile_step=model.device.type == "cuda",/' models/formula/adapter.py
 grep -n "compile_step" models/formula/adapter.py >> $L
 export TEXEL_COMMIT=$COMMIT-compiled
-step 04-engine-only-compiled 130 60 $COMPARE
+step 04-engine-only-compiled 220 200 $COMPARE
 summarize '^(\||\{)|ready on|identical|differ|Error|error'
