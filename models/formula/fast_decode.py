@@ -225,7 +225,8 @@ class StaticGreedyDecoder:
         self._allocate(len(decoder.layers), eos)
         # `compile_step`: the step's fixed-shape form (the one graphs capture) compiled by
         # torch.compile, which fuses its many small operations into fewer kernels; on CUDA
-        # the compiled step is what each bucket's graph captures.
+        # the compiled step is what each bucket's graph captures. No default turns it on
+        # until a GPU measurement shows it pays (bench/device/compile_step.sh).
         self._step_fn = self._compiled_step() if compile_step else self._step
         self._graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self._pool = None
