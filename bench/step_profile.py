@@ -106,10 +106,10 @@ def sweep(args, recognizer: FormulaRecognizer, device, sizes: list[int]) -> None
         decoder = make(args.compile)
         fields = {"rows": rows, "compiled": args.compile}
         fields["warmup_s"] = round(time.perf_counter() - started, 1)
-        admit(recognizer, decoder, items[:rows])
-        fields["step_ms"] = round(step_ms(decoder, args.repeats), 4)
         if args.compile:
             fields["identical_to_uncompiled"] = identical(recognizer, decoder, make(False), items)
+        admit(recognizer, decoder, items[:rows])
+        fields["step_ms"] = round(step_ms(decoder, args.repeats), 4)
         emit(args, record("formula-step-sweep", device, **fields))
         del decoder
 
@@ -122,11 +122,11 @@ def emit(args, result: dict) -> None:
 
 
 def identical(recognizer, decoder, reference, items: list) -> str:
-    """How many of `items` (a decoder's worth) get the same tokens from both decoders."""
+    """How many of `items` (a decoder's worth) get the same tokens from both decoders,
+    each with every slot free (`decode()` frees them again)."""
     items = items[: decoder.max_batch_size]
     tokens = []
     for each in (decoder, reference):
-        each.release(list(each._live))
         pixels, _, _ = recognizer.upload(each, items)
         tokens.append(each.decode(pixels).tokens)
     same = (tokens[0] == tokens[1]).all(dim=1).sum().item()

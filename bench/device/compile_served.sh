@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on an `nvidia-h200` machine (device tool), after compile_step.sh: the served
 # formula path with the decoding step compiled, at COMMIT. This copy of the tree only:
-# the adapter's StaticGreedyDecoder(...) is given compile_step=True by sed first.
+# the adapter's StaticGreedyDecoder(...) is given compile_step=True first
+# (`compile_served_step`).
 #   1. bench.equivalence: 500 formulas in batches of 128 and streamed, against one at a time;
 #   2. bench.compare texel at 128 and 256 in flight, batches of at most 128 (the shipped plan).
 # Logs and records under $OUT; within about 300 s.
@@ -14,8 +15,7 @@ source bench/device/step.sh
 prepare "$COMMIT-compiled" .whl
 L=$OUT/bench.log
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >> $L 2>&1
-sed -i 's/            max_source_len=source_len,$/&\n            compile_step=model.device.type == "cuda",/' models/formula/adapter.py
-grep -n "compile_step=" models/formula/adapter.py >> $L
+compile_served_step
 step 01-equivalence 110 60 python3 -m bench.equivalence --data /tmp/b --images 500 \
     --batch-size 128 --out $OUT/equivalence.jsonl
 step 02-formulas 170 100 python3 -m bench.compare --data /tmp/b --duration 10 --warmup 2 \

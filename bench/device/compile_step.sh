@@ -4,11 +4,10 @@
 # at COMMIT.
 #   1. bench.step_profile --sweep: a step's time at 64, 128 and 256 rows, as it is;
 #   2. the same compiled at 256 rows, with how many rows decode to the same tokens as
-#      uncompiled (compiling and capturing a decoder's graphs took about 85 s on an H100
-#      machine's 16 cores, bench/RESULTS.md);
+#      uncompiled (compiling is slow: its warm-up time is in bench/RESULTS.md);
 #   3. bench.compare engine-only at 256 in flight, batches of at most 256, as it is;
 #   4. the same with the served decoder compiled: this copy of the tree only, the
-#      adapter's StaticGreedyDecoder(...) given compile_step=True by sed before the step.
+#      adapter's StaticGreedyDecoder(...) given compile_step=True (`compile_served_step`).
 # Logs and records under $OUT; within CALL_S seconds (default 560); the engine-only pair
 # runs only when both fit.
 #   carry: .whl .gb (bench/device/bundle.sh); the image model moved out of the tree
@@ -28,8 +27,7 @@ COMPARE="python3 -m bench.compare --data /tmp/b --duration 10 --warmup 2
     --client-processes 4 --out $OUT/engine.jsonl --max-batch-size 256
     --servers engine-only --concurrency 256"
 step 03-engine-only 100 320 $COMPARE
-sed -i 's/            max_source_len=source_len,$/&\n            compile_step=model.device.type == "cuda",/' models/formula/adapter.py
-grep -n "compile_step" models/formula/adapter.py >> $L
+compile_served_step
 export TEXEL_COMMIT=$COMMIT-compiled
 step 04-engine-only-compiled 220 200 $COMPARE
 summarize '^(\||\{)|ready on|identical|differ|Error|error'
