@@ -4,7 +4,8 @@
 
 A formula's decode takes as many steps as its tokens, so under continuous batching its
 latency follows its length, and the throughput its mean. Prints the token counts (the
-shipped tokenizer on the reference LaTeX, start and end tokens included) of the first
+tokens the model writes for the reference LaTeX, `model_tokens`, without the start and
+end tokens) of the first
 `--images` im2latex-val images, the workload of `bench.compare` and the device calls:
 their mean and the percentiles that matter.
 """
@@ -19,6 +20,7 @@ from transformers import AutoTokenizer
 
 from bench.server import ROOT
 from training.formula.data import read_formulas
+from training.formula.tokenizer import model_tokens
 
 PERCENTILES = (50, 90, 95, 99)
 
@@ -34,9 +36,9 @@ def main() -> None:
     samples = sorted(
         read_formulas(args.data / "im2latex-val"), key=lambda s: int(Path(s.name).stem)
     )
-    counts = np.array([len(tokenizer(s.formula)["input_ids"]) for s in samples[: args.images]])
+    counts = np.array([len(model_tokens(tokenizer, s.formula)) for s in samples[: args.images]])
     at = {p: float(np.percentile(counts, p)) for p in PERCENTILES}
-    print(f"{len(counts)} formulas, tokens with start and end\n")
+    print(f"{len(counts)} formulas, tokens without start and end\n")
     print("| mean | " + " | ".join(f"p{p}" for p in PERCENTILES) + " | p99 / p50 |")
     print("|" + "---:|" * (len(PERCENTILES) + 2))
     cells = " | ".join(f"{at[p]:.0f}" for p in PERCENTILES)

@@ -111,3 +111,70 @@ def test_smaller_copies_shrink_a_share_of_the_pictures_and_keep_their_labels() -
         assert strip.shape[0] == spec.height
         assert strip.dtype == np.uint8 and strip.min() < 128  # ink survives the shrink
         assert strip.shape != original.shape or not np.array_equal(strip, original)
+
+
+def test_merged_tokens_shorten_a_formula_and_the_server_answers_the_same_latex(tmp_path) -> None:
+    import torch
+
+    from models.formula.adapter import FormulaRecognizer, FormulaTokens
+    from training.formula.tokenizer import (
+        build_tokenizer,
+        build_vocabulary,
+        encode_formula,
+        learn_merges,
+        model_tokens,
+    )
+    from training.tiny import build_tiny_formula_model
+
+    formulas = ["x _ { 2 } ^ { 2 }", "a _ { 1 } + b _ { 2 }", r"\frac { 1 } { 2 } _ { 2 }"]
+    merges = learn_merges(formulas, 3)
+    # The most frequent pair first; of `{ 2` and `2 }` (5 times each), the one seen first.
+    assert merges[0] == "{ 2"
+    assert learn_merges(formulas, 3) == merges  # the same formulas, the same merges
+    assert learn_merges(["a b", "c d"], 5) == []  # no pair seen twice: nothing to merge
+    tokenizer = build_tokenizer([*build_vocabulary(formulas), "_ {", "_ { 2 }", "{ 2"])
+    # The longest merged token first: `_ { 2 }` over `_ {`, and `{ 2` elsewhere.
+    assert model_tokens(tokenizer, r"\frac { 1 } { 2 } _ { 2 }") == [
+        r"\frac",
+        "{",
+        "1",
+        "}",
+        "{ 2",
+        "}",
+        "_ { 2 }",
+    ]
+    assert model_tokens(tokenizer, "b _ { 1 }") == ["b", "_ {", "1", "}"]
+    # A model directory whose tokenizer has merged tokens, as train.py --merges saves it:
+    # the server's answer is the same spaced LaTeX as without them.
+    model_dir = build_tiny_formula_model(tmp_path / "m")
+    tokenizer.save_pretrained(model_dir)
+    recognizer = FormulaRecognizer(str(model_dir), [torch.device("cpu")])
+    recognizer.open()
+    for formula in formulas:
+        ids = encode_formula(recognizer.tokenizer, formula, 100)
+        assert len(ids) - 1 < len(formula.split())
+        recognized = recognizer.detokenize(FormulaTokens(ids, 0.0))
+        assert recognized.latex == formula
+        assert recognized.tokens == len(ids)
+
+
+def test_a_merged_token_starts_at_the_mean_of_its_parts(tmp_path) -> None:
+    from transformers import VisionEncoderDecoderModel
+
+    from training.formula.train import init_merged_rows, resize_vocabulary
+    from training.tiny import FORMULA_TOKENS, build_tiny_formula_model
+
+    model = VisionEncoderDecoderModel.from_pretrained(build_tiny_formula_model(tmp_path / "m"))
+    size = model.config.decoder.vocab_size
+    before = model.decoder.get_input_embeddings().weight.detach().clone()
+    vocabulary = [*FORMULA_TOKENS[:size], "1 2", "1 2 3"]
+    ids = {token: i for i, token in enumerate(vocabulary)}
+
+    model = init_merged_rows(resize_vocabulary(model, len(vocabulary)), vocabulary, size)
+
+    rows = model.decoder.get_input_embeddings().weight
+    assert torch.equal(rows[:size], before)
+    for merged in ("1 2", "1 2 3"):
+        parts = [ids[part] for part in merged.split()]
+        assert torch.allclose(rows[ids[merged]], before[parts].mean(dim=0))
+    assert torch.equal(model.decoder.get_output_embeddings().weight, rows)  # tied

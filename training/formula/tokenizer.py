@@ -4,7 +4,9 @@ Two views of the same text:
 
 - the model's vocabulary: one id per im2latex token (`\\frac`, `{`, `x`), a
   `tokenizers` WordLevel model over whitespace-split normalized LaTeX, saved
-  beside the weights as a standard `tokenizer.json`;
+  beside the weights as a standard `tokenizer.json`; a vocabulary may also hold
+  merged tokens (`learn_merges`), runs of tokens the model writes in one step,
+  stored with their single spaces (`_ {`) so that decoding gives the same spaced text;
 - the metric view: `latex_tokens` splits any LaTeX string into commands,
   escaped symbols and single characters, ignoring whitespace, so that
   `\\frac{1}{2}` and `\\frac { 1 } { 2 }` score the same.
@@ -13,7 +15,10 @@ Two views of the same text:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+import weakref
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from itertools import pairwise
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -65,9 +70,83 @@ def build_tokenizer(vocabulary: list[str]) -> PreTrainedTokenizerFast:
     )
 
 
+def learn_merges(formulas: Iterable[str], count: int) -> list[str]:
+    """`count` merged tokens, byte-pair style: the most frequent pair of adjacent tokens
+    in `formulas` becomes one token, again and again; each is written as its im2latex
+    tokens joined by single spaces. Ties go to the pair seen first, so the same formulas
+    give the same merges."""
+    sequences = [formula.split() for formula in formulas]
+    merges: list[str] = []
+    while len(merges) < count:
+        pairs = Counter(pair for tokens in sequences for pair in pairwise(tokens))
+        if not pairs:
+            break
+        (left, right), seen = pairs.most_common(1)[0]
+        if seen < 2:
+            break
+        merged = f"{left} {right}"
+        merges.append(merged)
+        sequences = [_merge_pair(tokens, left, right, merged) for tokens in sequences]
+    return merges
+
+
+def _merge_pair(tokens: list[str], left: str, right: str, merged: str) -> list[str]:
+    out, i = [], 0
+    while i < len(tokens):
+        if i + 1 < len(tokens) and tokens[i] == left and tokens[i + 1] == right:
+            out.append(merged)
+            i += 2
+        else:
+            out.append(tokens[i])
+            i += 1
+    return out
+
+
+class _Merged:
+    """A vocabulary's merged tokens, by their first im2latex token."""
+
+    def __init__(self, vocabulary: Iterable[str]) -> None:
+        self.longest: dict[str, int] = {}
+        self.tokens: set[str] = set()
+        for token in vocabulary:
+            parts = token.split(" ")
+            if len(parts) > 1:
+                self.tokens.add(token)
+                self.longest[parts[0]] = max(self.longest.get(parts[0], 0), len(parts))
+
+    def apply(self, tokens: Sequence[str]) -> list[str]:
+        """`tokens` with the longest merged token taken first at each position."""
+        out, i = [], 0
+        while i < len(tokens):
+            for n in range(min(self.longest.get(tokens[i], 1), len(tokens) - i), 1, -1):
+                run = " ".join(tokens[i : i + n])
+                if run in self.tokens:
+                    out.append(run)
+                    i += n
+                    break
+            else:
+                out.append(tokens[i])
+                i += 1
+        return out
+
+
+_merged: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def model_tokens(tokenizer: PreTrainedTokenizerFast, formula: str) -> list[str]:
+    """`formula` as the tokens the model writes: its im2latex tokens, runs of them
+    merged where the vocabulary has a merged token (the longest first)."""
+    merged = _merged.get(tokenizer)
+    if merged is None:
+        merged = _merged[tokenizer] = _Merged(tokenizer.get_vocab())
+    tokens = formula.split()
+    return merged.apply(tokens) if merged.tokens else tokens
+
+
 def encode_formula(tokenizer: PreTrainedTokenizerFast, formula: str, max_length: int) -> list[int]:
-    """Token ids of `formula` followed by EOS, or [] when it is longer than `max_length`."""
-    ids = tokenizer.convert_tokens_to_ids(formula.split())
+    """Token ids of `formula` (`model_tokens`) followed by EOS, or [] when it is longer
+    than `max_length`."""
+    ids = tokenizer.convert_tokens_to_ids(model_tokens(tokenizer, formula))
     if len(ids) + 1 > max_length:
         return []
     return [*ids, tokenizer.eos_token_id]
