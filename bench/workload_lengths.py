@@ -5,9 +5,8 @@
 A formula's decode takes as many steps as its tokens, so under continuous batching its
 latency follows its length, and the throughput its mean. Prints the token counts (the
 tokens the model writes for the reference LaTeX, `model_tokens`, without the start and
-end tokens) of the first
-`--images` im2latex-val images, the workload of `bench.compare` and the device calls:
-their mean and the percentiles that matter.
+end tokens) of the first `--images` im2latex-val images, the workload of `bench.compare`
+and the device calls: their mean and the percentiles that matter.
 """
 
 from __future__ import annotations

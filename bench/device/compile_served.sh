@@ -13,8 +13,6 @@ T0=$(date +%s)
 END=$((T0 + 300))
 source bench/device/step.sh
 prepare "$COMMIT-compiled" .whl
-L=$OUT/bench.log
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >> $L 2>&1
 compile_served_step
 step 01-equivalence 110 60 python3 -m bench.equivalence --data /tmp/b --images 500 \
     --batch-size 128 --out $OUT/equivalence.jsonl

@@ -17,8 +17,6 @@ T0=$(date +%s)
 END=$((T0 + ${CALL_S:-560}))
 source bench/device/step.sh
 prepare "$COMMIT" .whl
-L=$OUT/bench.log
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >> $L 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> $L 2>&1
 SWEEP="python3 -m bench.step_profile --data /tmp/b --repeats 50 --out $OUT/steps.jsonl"
 step 01-step-sweep 50 30 $SWEEP --sweep 64,128,256

@@ -11,8 +11,6 @@ T0=$(date +%s)
 END=$((T0 + ${CALL_S:-200}))
 source bench/device/step.sh
 prepare "$COMMIT-$WEIGHTS" .whl
-L=$OUT/bench.log
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> $L 2>&1
 step 01-served 190 60 python3 -m bench.compare --data /tmp/b --max-batch-size 128 \
     --duration 10 --warmup 2 --client-processes 4 --out $OUT/served.jsonl \
     --servers texel --concurrency 128,256

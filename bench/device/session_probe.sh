@@ -14,8 +14,6 @@ T0=$(date +%s)
 END=$((T0 + 340))
 source bench/device/step.sh
 prepare "$COMMIT" .whl .whlx
-L=$OUT/bench.log
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >> $L 2>&1
 FORMULAS="python3 -m bench.compare --data /tmp/b --max-batch-size 128 --duration 10 --warmup 2
     --client-processes 4 --out $OUT/h200-engine.jsonl"
 step 01-formulas 140 80 $FORMULAS --servers texel --concurrency 128,256

@@ -2,7 +2,8 @@
 # call (expects T0, END, L, OUT).
 
 # prepare COMMIT FOLDER...: install the wheels carried in each FOLDER, export what the
-# benchmarks read (the commit they record), unpack the benchmark images into /tmp/b.
+# benchmarks read (the commit they record), unpack the benchmark images into /tmp/b, and
+# start the call's log, L ($OUT/bench.log), with the GPU it runs on.
 prepare() {
     local commit=$1 folder wheels=()
     shift
@@ -12,6 +13,8 @@ prepare() {
     export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TEXEL_COMMIT=$commit
     export TEXEL_REQUEST_TIMEOUT_S=300
     mkdir -p /tmp/b && tar xf .gb/bench_images.tar -C /tmp/b
+    L=$OUT/bench.log
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >> "$L" 2>&1
 }
 
 # compile_served_step: in this copy of the tree only, the adapter's StaticGreedyDecoder(...)

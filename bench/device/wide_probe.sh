@@ -15,8 +15,6 @@ T0=$(date +%s)
 END=$((T0 + 540))
 source bench/device/step.sh
 prepare "$COMMIT" .whl
-L=$OUT/bench.log
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >> $L 2>&1
 COMPARE="python3 -m bench.compare --data /tmp/b --duration 10 --warmup 2
     --client-processes 4 --out $OUT/h200-engine.jsonl"
 step 01-formulas 130 60 $COMPARE --max-batch-size 128 --servers texel --concurrency 128,256

@@ -139,8 +139,7 @@ def model_tokens(tokenizer: PreTrainedTokenizerFast, formula: str) -> list[str]:
     merged = _merged.get(tokenizer)
     if merged is None:
         merged = _merged[tokenizer] = _Merged(tokenizer.get_vocab())
-    tokens = formula.split()
-    return merged.apply(tokens) if merged.tokens else tokens
+    return merged.apply(formula.split())
 
 
 def encode_formula(tokenizer: PreTrainedTokenizerFast, formula: str, max_length: int) -> list[int]:
