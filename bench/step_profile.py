@@ -17,8 +17,6 @@ Prints one JSON line with the timings and the profile table. With `--sweep 64,96
 it instead times a step at each of those row counts, each in a decoder of exactly that
 many slots (so its own graph, no padding rows), one JSON line each: how a step's cost
 grows with its rows, which says whether batch buckets between the powers of two pay.
-With `--compile` the sweep's decoders run the step compiled by torch.compile, and each
-size also reports how many of its rows decode to the same tokens as the uncompiled step.
 """
 
 from __future__ import annotations
@@ -88,26 +86,15 @@ def sweep(args, recognizer: FormulaRecognizer, device, sizes: list[int]) -> None
     images = formula_images(args.data, max(sizes))
     items = [recognizer.preprocess(image) for image in images]
     for rows in sizes:
-
-        def make(compiled: bool, rows: int = rows) -> StaticGreedyDecoder:
-            decoder = StaticGreedyDecoder(
-                recognizer.replica(device),
-                max_batch_size=rows,
-                max_new_tokens=base.max_new_tokens,
-                max_source_len=base.max_source_len,
-                compile_step=compiled,
-                # compiled: the fixed-shape step, on a CPU too (where no graph captures it)
-                use_cuda_graphs=True if compiled else None,
-            )
-            decoder.warmup()
-            return decoder
-
         started = time.perf_counter()
-        decoder = make(args.compile)
-        fields = {"rows": rows, "compiled": args.compile}
-        fields["warmup_s"] = round(time.perf_counter() - started, 1)
-        if args.compile:
-            fields["identical_to_uncompiled"] = identical(recognizer, decoder, make(False), items)
+        decoder = StaticGreedyDecoder(
+            recognizer.replica(device),
+            max_batch_size=rows,
+            max_new_tokens=base.max_new_tokens,
+            max_source_len=base.max_source_len,
+        )
+        decoder.warmup()
+        fields = {"rows": rows, "warmup_s": round(time.perf_counter() - started, 1)}
         admit(recognizer, decoder, items[:rows])
         fields["step_ms"] = round(step_ms(decoder, args.repeats), 4)
         emit(args, record("formula-step-sweep", device, **fields))
@@ -121,18 +108,6 @@ def emit(args, result: dict) -> None:
         append_records([result], args.out)
 
 
-def identical(recognizer, decoder, reference, items: list) -> str:
-    """How many of `items` (a decoder's worth) get the same tokens from both decoders,
-    each with every slot free (`decode()` frees them again)."""
-    items = items[: decoder.max_batch_size]
-    tokens = []
-    for each in (decoder, reference):
-        pixels, _, _ = recognizer.upload(each, items)
-        tokens.append(each.decode(pixels).tokens)
-    same = (tokens[0] == tokens[1]).all(dim=1).sum().item()
-    return f"{same}/{len(items)}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
@@ -144,9 +119,6 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--sweep", default=None, help="row counts, comma-separated")
     parser.add_argument("--out", type=Path, default=None, help="JSON-lines file to append to")
-    parser.add_argument(
-        "--compile", action="store_true", help="sweep with the step compiled by torch.compile"
-    )
     args = parser.parse_args()
 
     device = resolve_devices(args.device)[0]

@@ -17,14 +17,6 @@ prepare() {
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >> "$L" 2>&1
 }
 
-# compile_served_step: in this copy of the tree only, the adapter's StaticGreedyDecoder(...)
-# given compile_step=True on CUDA (an experiment no default runs yet); logs the line.
-compile_served_step() {
-    sed -i 's/            max_source_len=source_len,$/&\n            compile_step=model.device.type == "cuda",/' \
-        models/formula/adapter.py
-    grep -n "compile_step=" models/formula/adapter.py >> "$L"
-}
-
 # summarize PATTERN: each step's log lines that match PATTERN (or its tail), then the
 # call's own log.
 summarize() {

@@ -160,7 +160,6 @@ class StaticGreedyDecoder:
         use_cuda_graphs: bool | None = None,
         steps_per_run: int | None = None,
         pad_encoder_rows: bool | None = None,
-        compile_step: bool = False,
     ) -> None:
         if not self.supports(model):
             raise ValueError("StaticGreedyDecoder supports TrOCR-decoded models only")
@@ -219,15 +218,9 @@ class StaticGreedyDecoder:
         # multiply per step instead of three (fewer kernels to launch, or to replay).
         # A bf16 model on a CPU multiplies with weights reordered once into oneDNN's
         # blocked layout (`_Projection`).
-        blocked = self._cpu_bf16 and not compile_step  # inductor lowers plain weights only
-        self.linears = [_StepLinears.of(layer, blocked) for layer in decoder.layers]
-        self.lm_projection = _Projection(self.lm_head.weight, self.lm_head.bias, blocked)
+        self.linears = [_StepLinears.of(layer, self._cpu_bf16) for layer in decoder.layers]
+        self.lm_projection = _Projection(self.lm_head.weight, self.lm_head.bias, self._cpu_bf16)
         self._allocate(len(decoder.layers), eos)
-        # `compile_step`: the step's fixed-shape form (the one graphs capture) compiled by
-        # torch.compile, which fuses its many small operations into fewer kernels; on CUDA
-        # the compiled step is what each bucket's graph captures. No default turns it on
-        # until a GPU measurement shows it pays (bench/device/compile_step.sh).
-        self._step_fn = self._compiled_step() if compile_step else self._step
         self._graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self._pool = None
         self._warned_capture = False
@@ -716,15 +709,7 @@ class StaticGreedyDecoder:
 
     def _steps(self, bucket: int) -> None:
         for _ in range(self.steps_per_run):
-            self._step_fn(bucket)
-
-    def _compiled_step(self) -> Callable[[int], None]:
-        """`_step` compiled for every batch bucket at once: the row count is symbolic
-        (torch specializes a count of one, so that bucket compiles apart) and the buffers
-        are whole, as a graph reads them."""
-        if not self.use_cuda_graphs:
-            raise ValueError("compile_step needs the fixed-shape step (use_cuda_graphs)")
-        return torch.compile(self._step, dynamic=True, fullgraph=True)
+            self._step(bucket)
 
     def _capture_encoder(self, key: tuple[int, ...]) -> _EncoderGraph | None:
         """One encoder graph for `rows` inputs of (channels, height, width), or None. The
@@ -761,7 +746,7 @@ class StaticGreedyDecoder:
                 lambda: self._steps(bucket),
                 self._pool,
                 self.device,
-                warm=lambda: self._step_fn(bucket),
+                warm=lambda: self._step(bucket),
                 warmups=3,
             )
         except Exception as exc:  # any capture failure falls back to eager decoding
