@@ -84,7 +84,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from models.devices import capture_graph, side_stream
+from models.devices import capture_graph, capture_stream, side_stream
 
 logger = logging.getLogger(__name__)
 
@@ -223,6 +223,7 @@ class StaticGreedyDecoder:
         self._allocate(len(decoder.layers), eos)
         self._graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self._pool = None
+        self._capture_stream: torch.cuda.Stream | None = None
         self._warned_capture = False
         self._encoder_graphs: dict[tuple[int, ...], _EncoderGraph | None] = {}
         self._lanes: dict[tuple[int, ...], _Lane] = {}  # per encoder input shape (CUDA)
@@ -522,6 +523,7 @@ class StaticGreedyDecoder:
         if shape not in self._lanes:
             self._lanes[shape] = _Lane(
                 side_stream(self.device),
+                capture_stream(self.device),
                 torch.zeros((self.max_batch_size, *shape), device=self.device, dtype=self.dtype),
             )
         return self._lanes[shape]
@@ -729,6 +731,7 @@ class StaticGreedyDecoder:
                 self.device,
                 warm=lambda: self._encode(inputs),
                 warmups=2,
+                stream=lane.capture,
             )
             return _EncoderGraph(graph, inputs, out)
         except Exception as exc:  # this shape encodes eagerly instead
@@ -742,12 +745,14 @@ class StaticGreedyDecoder:
         try:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
+                self._capture_stream = capture_stream(self.device)
             return capture_graph(
                 lambda: self._steps(bucket),
                 self._pool,
                 self.device,
                 warm=lambda: self._step(bucket),
                 warmups=3,
+                stream=self._capture_stream,
             )
         except Exception as exc:  # any capture failure falls back to eager decoding
             if not self._warned_capture:
@@ -861,10 +866,12 @@ class Snapshot:
 @dataclass
 class _Lane:
     """One encoder input shape's CUDA stream, and what its graphs share: the input rows,
-    the K/V they write (allocated at the first capture) and their memory pool. Shapes do
-    not share these, so two shapes' graphs can run at once."""
+    the K/V they write (allocated at the first capture), their memory pool and the stream
+    they are captured on (and so their cuBLAS workspace). Shapes do not share these, so
+    two shapes' graphs, and the decoding steps' own, can run at once."""
 
     stream: torch.cuda.Stream
+    capture: torch.cuda.Stream
     inputs: torch.Tensor  # [max_batch, channels, height, width]
     kv: torch.Tensor | None = None  # [2, layers, max_batch, heads, S, D]
     pool: Any = field(default_factory=torch.cuda.graph_pool_handle)

@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from models.devices import capture_graph
+from models.devices import capture_graph, capture_stream
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ class UNetGraphs:
     def capture(self) -> None:
         """A graph for every row count from the largest down (the largest sizes the pool)."""
         self._pool = torch.cuda.graph_pool_handle()
+        stream = capture_stream(self.device)
         for rows in range(self.max_rows, 0, -1):
             out: list[torch.Tensor] = []
             graph = capture_graph(
@@ -65,6 +66,7 @@ class UNetGraphs:
                 self.device,
                 warm=lambda rows=rows: self._eager_static(rows),
                 warmups=2,
+                stream=stream,
             )
             self._graphs[rows] = (graph, out[-1])
 
