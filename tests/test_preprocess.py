@@ -12,6 +12,7 @@ from models.errors import CorruptImage, ImageTooLarge, UnsupportedImage
 from models.formula.preprocess import (
     FormulaImageSpec,
     FormulaPreprocessor,
+    _median_u8,
     bucket_width,
     decode_image,
     inside_frame,
@@ -236,6 +237,28 @@ def test_any_ink_on_any_paper_becomes_black_on_white(ink, paper):
     gap = strip.shape[1] // 2  # the paper between the two strokes
     assert strip[:, gap - 2 : gap + 3].min() >= 250, "paper is white"
     assert strip[12:20, 6 : gap - 20].max() < 40, "ink is black"
+
+
+def test_gray_stored_as_colour_gives_the_strip_its_gray_gives():
+    """A gray picture saved as RGB (most renders) is read from one channel: the same
+    strip as the gray picture itself, on even paper, on a card and in uneven light."""
+    pictures = [ink_box(mode="L"), _formula_like()]
+    card = Image.new("L", (220, 120), 90)
+    card.paste(ImageOps.expand(_formula_like(), border=6, fill=250), (12, 20))
+    lit = np.asarray(_formula_like().resize((368, 128)), dtype=np.float32)
+    lit = lit * np.linspace(0.55, 1.0, lit.shape[1])[None, :]
+    pictures += [card, Image.fromarray(lit.astype(np.uint8), "L")]
+    for gray in pictures:
+        assert np.array_equal(prepare_strip(gray.convert("RGB"), SPEC), prepare_strip(gray, SPEC))
+
+
+def test_median_of_8_bit_pixels_is_numpys_rounded_median():
+    rng = np.random.default_rng(3)
+    for count in [1, 2, 3, 4, 7, 100, 1001]:
+        for _ in range(20):
+            values = rng.integers(0, 256, (count, 3), dtype=np.uint8)
+            expected = np.median(values, axis=0).round().astype(np.uint8)
+            assert np.array_equal(_median_u8(values), expected)
 
 
 def _formula_like() -> Image.Image:

@@ -233,6 +233,18 @@ def _quantile_u8(values: np.ndarray, q: float) -> int:
     return int(np.searchsorted(cumulative, q * cumulative[-1]))
 
 
+def _median_u8(values: np.ndarray) -> np.ndarray:
+    """Per channel, the median of 8-bit pixels [N, C], rounded half to even: what
+    `np.median(values, axis=0).round()` gives, from histograms (no sort)."""
+    middle = np.array([(len(values) - 1) // 2, len(values) // 2])
+    out = np.empty(values.shape[1], dtype=np.uint8)
+    for c in range(values.shape[1]):
+        cumulative = np.cumsum(np.bincount(values[:, c], minlength=256))
+        low, high = np.searchsorted(cumulative, middle, side="right")
+        out[c] = np.round((int(low) + int(high)) / 2)
+    return out
+
+
 def ink_on_paper(image: Image.Image) -> Image.Image | None:
     """Dark ink on white paper in 8-bit gray, whatever the picture's colours; None when it
     holds no ink (blank, uniform, or too small to hold anything legible).
@@ -246,6 +258,10 @@ def ink_on_paper(image: Image.Image) -> Image.Image | None:
         return None
     channels = _flat_pixels(image)
     channels = channels.reshape(*channels.shape[:2], -1)
+    if channels.shape[2] > 1 and (channels[:, :, :1] == channels).all():
+        # Gray stored as colour (most renders and screenshots of black on white): every
+        # step below gives the same answer from one channel, in a third of the time.
+        channels = channels[:, :, :1].copy()
     card = on_its_card(channels)
     if card is not None:
         channels = card
@@ -269,7 +285,7 @@ def ink_on_paper(image: Image.Image) -> Image.Image | None:
         level = 255.0
     # One lookup table maps each difference to its stretched gray.
     lut = np.clip(np.rint(255.0 - np.arange(256) * (255.0 / level)), 0, 255).astype(np.uint8)
-    return Image.fromarray(lut[distance], "L")
+    return Image.fromarray(np.take(lut, distance), "L")
 
 
 def on_its_card(channels: np.ndarray) -> np.ndarray | None:
@@ -287,7 +303,7 @@ def on_its_card(channels: np.ndarray) -> np.ndarray | None:
         [channels[:2].reshape(-1, depth), channels[-2:].reshape(-1, depth)]
         + [channels[:, :2].reshape(-1, depth), channels[:, -2:].reshape(-1, depth)]
     )
-    page = np.median(ring, axis=0).round().astype(np.uint8)
+    page = _median_u8(ring)
     if _far_from(ring, page).mean() > 1 - CARD_FILL:
         return None  # no single page colour around the picture
     step = _sample_step(height, width)
@@ -297,7 +313,7 @@ def on_its_card(channels: np.ndarray) -> np.ndarray | None:
     if box is None:
         return None
     card = channels[box].copy()
-    colour = np.median(card.reshape(-1, depth), axis=0).round().astype(np.uint8)
+    colour = _median_u8(card.reshape(-1, depth))
     if _far_from(card, colour).sum() < MIN_SIDE:
         return None  # a solid shape, not a card with something on it
     corner = max(2, min(card.shape[:2]) // 8)
@@ -331,7 +347,8 @@ def _distance(pixels: np.ndarray, colour) -> np.ndarray:
     levels = np.arange(256, dtype=np.int16)
     distance = None
     for c, value in enumerate(colour):
-        here = np.abs(levels - int(value)).astype(np.uint8)[pixels[..., c]]
+        # np.take: the same lookup as indexing, in about half its time for uint8 indices
+        here = np.take(np.abs(levels - int(value)).astype(np.uint8), pixels[..., c])
         distance = here if distance is None else np.maximum(distance, here, out=distance)
     return distance
 
@@ -365,7 +382,8 @@ def local_paper(pixels: np.ndarray, distance: np.ndarray) -> np.ndarray | None:
     tiles = _blocks(distance)
     if tiles is None:  # too small for the lighting to vary across it
         return None
-    if int(np.quantile(tiles, PAPER_QUANTILE, axis=2, method="lower").max()) < UNEVEN_PAPER:
+    low = int(PAPER_QUANTILE * (tiles.shape[2] - 1))  # np.quantile's "lower" index
+    if int(np.partition(tiles, low, axis=2)[:, :, low].max()) < UNEVEN_PAPER:
         return None
     return np.median(_blocks(pixels), axis=2).round().astype(np.uint8)
 
