@@ -6,7 +6,8 @@
 # of 120 dev formulas through the server's adapter ($OUT/variants.log). The model comes
 # back as $OUT/fm.tar.*; within about 9.5 minutes for MINUTES 6.5.
 #   carry: .fd .whlt .rs/pack (bench/device/bundle.sh; SETS are files of .rs/pack)
-#   command: bash bench/device/formula_continue.sh MINUTES SEED SETS [EXTRA train.py options]
+#   command: [LR=2.5e-4] bash bench/device/formula_continue.sh MINUTES SEED SETS [EXTRA...]
+#   (LR: the peak learning rate; EXTRA: train.py options)
 #   e.g.:    bash bench/device/formula_continue.sh 6.5 21 .rs/pack/a.lvl.xz,.rs/pack/b.lvl.xz
 MINUTES=${1:?usage: bash bench/device/formula_continue.sh MINUTES SEED SETS [EXTRA...]}
 SEED=${2:?seed} SETS=${3:?sets}
@@ -15,7 +16,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target /tmp/site .whlt/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 mkdir -p /tmp/d && tar xJf .fd/fd.tar.xz -C /tmp/d || exit 1
-bash bench/device/formula_train.sh 0 "$MINUTES" 2.5e-4 0.25 "$SEED" \
+bash bench/device/formula_train.sh 0 "$MINUTES" "${LR:-2.5e-4}" 0.25 "$SEED" \
     --school /tmp/d/k12-formulas --rendered "$SETS" --rendered-fraction 0.35 \
     --small-share 0.5 "$@"
 grep -E "^\||trained|rc=|smaller copies|rendered sets" $OUT/train.log
