@@ -41,7 +41,8 @@ class RecognizeResponse(BaseModel):
         None,
         description="How sure the model was of this answer, from 0 to 1: the geometric mean "
         "of the probabilities of the tokens it chose. Not a calibrated chance of being right: "
-        "low values mark readings to check. null for a picture with no ink.",
+        "low values mark readings to check. null for a picture with no ink, or when the "
+        "model's scores were not numbers (a checkpoint that overflows).",
     )
     model: str = Field(description="The model that answered.")
     batch_size: int = Field(

@@ -46,6 +46,32 @@ def test_recognize_says_how_sure_it_is_and_nothing_for_a_picture_without_ink(ser
     assert (empty.json()["latex"], empty.json()["confidence"]) == ("", None)
 
 
+def test_a_model_whose_scores_are_not_numbers_still_answers_without_a_confidence(
+    tiny_models, tmp_path, start_server
+):
+    """A checkpoint that overflows (NaN scores, as a half-precision model can) still gets
+    its answer out: JSON has no NaN, so the confidence is null, and the confidence
+    histogram keeps counting real numbers only."""
+    import shutil
+
+    import safetensors.torch
+
+    model = tmp_path / "formula-nan"
+    shutil.copytree(tiny_models["formula"], model)
+    weights = safetensors.torch.load_file(str(model / "model.safetensors"))
+    norms = sorted(k for k in weights if k.endswith("final_layer_norm.bias") and "decoder" in k)
+    weights[norms[-1]].fill_(float("nan"))
+    safetensors.torch.save_file(weights, str(model / "model.safetensors"))
+    server = start_server(TEXEL_FORMULA__MODEL=str(model), TEXEL_IMAGE__ENABLED="false")
+    with server.client() as client:
+        read = client.post("/recognize", files={"image": ("f.png", formula_png(), "image/png")})
+        metrics = client.get("/metrics").text
+    assert read.status_code == 200, read.text
+    assert read.json()["confidence"] is None
+    histogram = [line for line in metrics.splitlines() if line.startswith("texel_confidence")]
+    assert not [line for line in histogram if "nan" in line.lower()], histogram
+
+
 def test_recognize_accepts_base64_json_and_the_image_as_the_body(server):
     # multipart, base64 (standard, URL-safe unpadded, in 76-character lines, a data URL), raw
     data = formula_png("a^2 + b, as a body")

@@ -90,12 +90,15 @@ class Recognized:
     confidence: float | None = None
 
 
-def confidence(logprob: float, generated: int) -> float:
+def confidence(logprob: float, generated: int) -> float | None:
     """How sure the model was of its answer: the geometric mean of the probabilities of
     the tokens it chose, its end token included (exp of their mean log-probability).
 
-    Not a calibrated probability of being right; low values mark readings to check."""
-    return math.exp(logprob / max(generated, 1))
+    Not a calibrated probability of being right; low values mark readings to check.
+    None when the model's scores were not numbers (a half-precision checkpoint that
+    overflows gives NaN): the answer still goes out, and JSON has no NaN."""
+    value = math.exp(logprob / max(generated, 1))
+    return value if math.isfinite(value) else None
 
 
 class _StopWhen(StoppingCriteria):
@@ -407,13 +410,13 @@ class FormulaRecognizer(Model):
 
     def _decode_static(
         self, decoder: StaticGreedyDecoder, batch, should_stop, max_new_tokens
-    ) -> tuple[list[list[int]], list[float]]:
+    ) -> tuple[list[list[int]], list[float | None]]:
         """Each bucket of a merged batch encoded at its own width, decoded together: each
         item's tokens and confidence, in the batch's order."""
         pixels, order, _ = self.upload(decoder, batch)
         output = decoder.decode(pixels, max_new_tokens=max_new_tokens, should_stop=should_stop)
         ids: list[list[int]] = [[] for _ in batch]
-        sure = [0.0] * len(batch)
+        sure: list[float | None] = [None] * len(batch)
         for row, i in zip(output.rows, order, strict=True):
             ids[i], sure[i] = row.tokens, confidence(row.logprob, row.generated)
         return ids, sure
@@ -503,7 +506,7 @@ class FormulaRecognizer(Model):
 
     def _decode_generate(
         self, device: str, batch, should_stop, max_new_tokens
-    ) -> tuple[list[list[int]], list[float]]:
+    ) -> tuple[list[list[int]], list[float | None]]:
         """`generate()`'s tokens for each item, and its confidence in them."""
         model = self._models[device]
         output = model.generate(
@@ -517,7 +520,7 @@ class FormulaRecognizer(Model):
         )
         ids = output.sequences.tolist()
         if self.num_beams > 1:  # each beam's mean token log-probability (length penalty 1)
-            return ids, [math.exp(v) for v in output.sequences_scores.float().tolist()]
+            return ids, [confidence(v, 1) for v in output.sequences_scores.float().tolist()]
         scores = model.compute_transition_scores(
             output.sequences, output.scores, normalize_logits=True
         ).float()
