@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,29 +44,36 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device, priority=torch.cuda.current_stream(device).priority)
 
 
-def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """A stream to capture one family of graphs on (see `capture_graph`)."""
-    return torch.cuda.Stream(device)
+@dataclass(frozen=True)
+class GraphFamily:
+    """CUDA graphs that replay one after another, on one stream: the memory pool they
+    share and the stream they are captured on.
+
+    A graph keeps the cuBLAS workspace of the stream it was captured on (torch keys the
+    workspaces by handle and stream), so graphs that may replay at the same time on
+    different streams must be captured on different streams: sharing one, two replays'
+    matrix multiplies would run in one workspace at once, which can give wrong numbers
+    or wedge the device. Hence one family, with its own capture stream, per replay
+    stream."""
+
+    pool: Any
+    stream: torch.cuda.Stream
+
+    @classmethod
+    def on(cls, device: torch.device) -> GraphFamily:
+        return cls(torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
 
 
 def capture_graph(
     run: Callable,
-    pool,
+    family: GraphFamily,
     device: torch.device,
     *,
     warm: Callable,
     warmups: int,
-    stream: torch.cuda.Stream,
 ) -> torch.cuda.CUDAGraph:
     """`warm()` `warmups` times on a side stream (allocations settle, kernels load), then
-    one `run()` captured on `stream` as a CUDA graph drawing on the memory pool `pool`.
-
-    A graph keeps the cuBLAS workspace of the stream it was captured on (torch keys the
-    workspaces by handle and stream), so graphs that may replay at the same time on
-    different streams must be captured on different streams: sharing one capture stream,
-    two replays' matrix multiplies would run in one workspace at once, which can give
-    wrong numbers or wedge the device. Graphs that replay one after another (one stream)
-    may share one. Give each such family its own `capture_stream(device)`.
+    one `run()` captured as a CUDA graph of `family` (its pool, on its capture stream).
 
     Streams and captures belong to the current device, so `device` is made current: a
     worker for cuda:1 runs on a thread (or in a process) whose current device is cuda:0,
@@ -78,7 +87,9 @@ def capture_graph(
                 warm()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(
+            graph, pool=family.pool, stream=family.stream, capture_error_mode="thread_local"
+        ):
             run()
     return graph
 

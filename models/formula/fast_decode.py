@@ -76,15 +76,14 @@ import itertools
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from models.devices import capture_graph, capture_stream, side_stream
+from models.devices import GraphFamily, capture_graph, side_stream
 
 logger = logging.getLogger(__name__)
 
@@ -222,8 +221,7 @@ class StaticGreedyDecoder:
         self.lm_projection = _Projection(self.lm_head.weight, self.lm_head.bias, self._cpu_bf16)
         self._allocate(len(decoder.layers), eos)
         self._graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
-        self._pool = None
-        self._capture_stream: torch.cuda.Stream | None = None
+        self._family: GraphFamily | None = None  # the step graphs'
         self._warned_capture = False
         self._encoder_graphs: dict[tuple[int, ...], _EncoderGraph | None] = {}
         self._lanes: dict[tuple[int, ...], _Lane] = {}  # per encoder input shape (CUDA)
@@ -523,7 +521,7 @@ class StaticGreedyDecoder:
         if shape not in self._lanes:
             self._lanes[shape] = _Lane(
                 side_stream(self.device),
-                capture_stream(self.device),
+                GraphFamily.on(self.device),
                 torch.zeros((self.max_batch_size, *shape), device=self.device, dtype=self.dtype),
             )
         return self._lanes[shape]
@@ -727,11 +725,10 @@ class StaticGreedyDecoder:
             out = lane.kv[:, :, :rows]
             graph = capture_graph(
                 lambda: out.copy_(self._encode(inputs)),
-                lane.pool,
+                lane.graphs,
                 self.device,
                 warm=lambda: self._encode(inputs),
                 warmups=2,
-                stream=lane.capture,
             )
             return _EncoderGraph(graph, inputs, out)
         except Exception as exc:  # this shape encodes eagerly instead
@@ -743,16 +740,14 @@ class StaticGreedyDecoder:
     def _capture(self, bucket: int) -> torch.cuda.CUDAGraph | None:
         """Warm the step up on a side stream, then capture it into the shared memory pool."""
         try:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-                self._capture_stream = capture_stream(self.device)
+            if self._family is None:
+                self._family = GraphFamily.on(self.device)
             return capture_graph(
                 lambda: self._steps(bucket),
-                self._pool,
+                self._family,
                 self.device,
                 warm=lambda: self._step(bucket),
                 warmups=3,
-                stream=self._capture_stream,
             )
         except Exception as exc:  # any capture failure falls back to eager decoding
             if not self._warned_capture:
@@ -866,15 +861,14 @@ class Snapshot:
 @dataclass
 class _Lane:
     """One encoder input shape's CUDA stream, and what its graphs share: the input rows,
-    the K/V they write (allocated at the first capture), their memory pool and the stream
-    they are captured on (and so their cuBLAS workspace). Shapes do not share these, so
-    two shapes' graphs, and the decoding steps' own, can run at once."""
+    the K/V they write (allocated at the first capture), and their family (memory pool
+    and capture stream, so their cuBLAS workspace). Shapes do not share these, so two
+    shapes' graphs, and the decoding steps' own, can run at once."""
 
     stream: torch.cuda.Stream
-    capture: torch.cuda.Stream
+    graphs: GraphFamily
     inputs: torch.Tensor  # [max_batch, channels, height, width]
     kv: torch.Tensor | None = None  # [2, layers, max_batch, heads, S, D]
-    pool: Any = field(default_factory=torch.cuda.graph_pool_handle)
 
 
 class _EncoderGraph:

@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from models.devices import capture_graph, capture_stream
+from models.devices import GraphFamily, capture_graph
 
 log = logging.getLogger(__name__)
 
@@ -52,21 +52,18 @@ class UNetGraphs:
         self.timestep = torch.zeros(max_rows, device=self.device, dtype=timestep_dtype)
         self.max_rows = max_rows
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = None
 
     def capture(self) -> None:
         """A graph for every row count from the largest down (the largest sizes the pool)."""
-        self._pool = torch.cuda.graph_pool_handle()
-        stream = capture_stream(self.device)
+        family = GraphFamily.on(self.device)
         for rows in range(self.max_rows, 0, -1):
             out: list[torch.Tensor] = []
             graph = capture_graph(
                 lambda rows=rows, out=out: out.append(self._eager_static(rows)),
-                self._pool,
+                family,
                 self.device,
                 warm=lambda rows=rows: self._eager_static(rows),
                 warmups=2,
-                stream=stream,
             )
             self._graphs[rows] = (graph, out[-1])
 
