@@ -6,12 +6,14 @@ import base64
 import concurrent.futures
 import http.client
 import io
+import shutil
 import struct
 import time
 import zlib
 
 import httpx
 import pytest
+import safetensors.torch
 from PIL import Image
 
 from app.http import preferred_type
@@ -52,10 +54,6 @@ def test_a_model_whose_scores_are_not_numbers_still_answers_without_a_confidence
     """A checkpoint that overflows (NaN scores, as a half-precision model can) still gets
     its answer out: JSON has no NaN, so the confidence is null, and the confidence
     histogram keeps counting real numbers only."""
-    import shutil
-
-    import safetensors.torch
-
     model = tmp_path / "formula-nan"
     shutil.copytree(tiny_models["formula"], model)
     weights = safetensors.torch.load_file(str(model / "model.safetensors"))
