@@ -6,8 +6,9 @@ Servers, in one run: `texel` (as shipped, with `--max-batch-size`), `texel-nobat
 (`MAX_BATCH_SIZE=1`), `litserve` (LitServe batching over Texel's own adapter),
 `model-only` (preprocessed batches straight into the model, one after the other, no
 server) and `engine-only` (Texel's own engine in this process, its continuous decoder
-fed preprocessed inputs from memory by closed-loop callers at each concurrency, no HTTP:
-what the model can do on this device as Texel batches it). Every HTTP server gets the
+fed preprocessed inputs from memory by closed-loop callers at each concurrency, and by
+Poisson arrivals at each of `--rates`, no HTTP: what the model can do on this device as
+Texel batches it). Every HTTP server gets the
 same JSON `image_base64` requests from the same closed-loop client. Records go to
 `bench/results/<machine>.jsonl`, one per (server, concurrency), naming the GPU, the
 command and the commit; a markdown table is printed last.
@@ -23,6 +24,7 @@ import functools
 import json
 import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -302,6 +304,33 @@ def engine_only(args, images: list[bytes]) -> list[dict]:
         result.duration_s = time.perf_counter() - started
         return result
 
+    async def poisson(engine: Engine, inputs: list, rate: float, seconds: float, seed: int = 0):
+        """Arrivals at `rate` a second, exponential gaps, whatever the engine's pace."""
+        result = LoadResult("open", rate, seconds)
+        rng = random.Random(seed)
+
+        async def one(i: int) -> None:
+            started = time.perf_counter()
+            try:
+                answer = await engine.submit(
+                    "formula", inputs[i % len(inputs)], settings.request_timeout_s
+                )
+            except Exception as exc:
+                result.statuses[type(exc).__name__] += 1
+                return
+            result.latencies_s.append(time.perf_counter() - started)
+            result.statuses[200] += 1
+            result.batch_sizes.append(answer.batch_size)
+
+        tasks, started, due = [], time.perf_counter(), 0.0
+        while due < seconds:
+            await asyncio.sleep(max(0.0, started + due - time.perf_counter()))
+            tasks.append(asyncio.create_task(one(len(tasks))))
+            due += rng.expovariate(rate)
+        await asyncio.gather(*tasks)
+        result.duration_s = seconds
+        return result
+
     async def measure() -> list[dict]:
         engine = Engine(device, model_plans(settings, [device]), settings.advanced.gpu_sharing)
         await engine.start()
@@ -325,6 +354,15 @@ def engine_only(args, images: list[bytes]) -> list[dict]:
                         args, "engine-only", concurrency, result, server_mean_batch_size=mean_batch
                     )
                 )
+            for rate in args.rates:
+                result = await poisson(engine, inputs, rate, args.duration)
+                mean_batch = result.summary()["mean_batch_size"]
+                out.append(
+                    record(
+                        args, "engine-only", f"poisson@{rate}", result,
+                        server_mean_batch_size=mean_batch,
+                    )
+                )  # fmt: skip
             return out
         finally:
             gc.unfreeze()
@@ -487,7 +525,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--rates", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
-        help="open-loop Poisson arrival rates (req/s) for Texel",
+        help="open-loop Poisson arrival rates (req/s) for Texel and engine-only",
     )  # fmt: skip
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--warmup", type=float, default=3.0)

@@ -51,13 +51,17 @@ def test_engine_only_serves_preprocessed_formulas_at_each_concurrency(tiny_model
     images = [formula_png(text, size=(60 + 30 * i, 40)) for i, text in enumerate("abcd")]
     args = argparse.Namespace(
         model=str(tiny_models["formula"]), max_batch_size=4, max_wait_ms=10.0,
-        concurrency=[2, 4], duration=1.0, warmup=0.2, out=tmp_path / "cpu.jsonl", argv=[],
+        concurrency=[2, 4], rates=[20.0], duration=1.0, warmup=0.2,
+        out=tmp_path / "cpu.jsonl", argv=[],
     )  # fmt: skip
     records = engine_only(args, images)
-    assert [(r["server"], r["concurrency"]) for r in records] == [
-        ("engine-only", 2), ("engine-only", 4)
+    assert [(r["server"], r["concurrency"], r["mode"]) for r in records] == [
+        ("engine-only", 2, "closed"), ("engine-only", 4, "closed"),
+        ("engine-only", "poisson@20.0", "open"),
     ]  # fmt: skip
     for r in records:
         assert r["throughput_rps"] > 0 and r["errors"] == {}
         assert 1 <= r["server_mean_batch_size"] <= 4
-    assert len((tmp_path / "cpu.jsonl").read_text().splitlines()) == 2
+    # Poisson arrivals at 20 a second for a second: about 20 requests, each answered.
+    assert 5 <= records[-1]["requests"] <= 45
+    assert len((tmp_path / "cpu.jsonl").read_text().splitlines()) == 3
