@@ -280,24 +280,25 @@ def engine_only(args, images: list[bytes]) -> list[dict]:
     if device.type == "cuda":
         sys.setswitchinterval(GPU_SWITCH_INTERVAL_S)
 
+    async def ask(engine: Engine, item, result: LoadResult) -> None:
+        """One request, its latency and batch into `result`, or its error's name."""
+        started = time.perf_counter()
+        try:
+            answer = await engine.submit("formula", item, settings.request_timeout_s)
+        except Exception as exc:
+            result.statuses[type(exc).__name__] += 1
+            return
+        result.latencies_s.append(time.perf_counter() - started)
+        result.statuses[200] += 1
+        result.batch_sizes.append(answer.batch_size)
+
     async def closed(engine: Engine, inputs: list, concurrency: int, seconds: float):
         result = LoadResult("closed", concurrency, seconds)
         counter = iter(range(10**9))
 
         async def caller(until: float) -> None:
             while time.perf_counter() < until:
-                i = next(counter)
-                started = time.perf_counter()
-                try:
-                    answer = await engine.submit(
-                        "formula", inputs[i % len(inputs)], settings.request_timeout_s
-                    )
-                except Exception as exc:
-                    result.statuses[type(exc).__name__] += 1
-                    continue
-                result.latencies_s.append(time.perf_counter() - started)
-                result.statuses[200] += 1
-                result.batch_sizes.append(answer.batch_size)
+                await ask(engine, inputs[next(counter) % len(inputs)], result)
 
         started = time.perf_counter()
         await asyncio.gather(*(caller(started + seconds) for _ in range(concurrency)))
@@ -308,27 +309,13 @@ def engine_only(args, images: list[bytes]) -> list[dict]:
         """Arrivals at `rate` a second, exponential gaps, whatever the engine's pace."""
         result = LoadResult("open", rate, seconds)
         rng = random.Random(seed)
-
-        async def one(i: int) -> None:
-            started = time.perf_counter()
-            try:
-                answer = await engine.submit(
-                    "formula", inputs[i % len(inputs)], settings.request_timeout_s
-                )
-            except Exception as exc:
-                result.statuses[type(exc).__name__] += 1
-                return
-            result.latencies_s.append(time.perf_counter() - started)
-            result.statuses[200] += 1
-            result.batch_sizes.append(answer.batch_size)
-
         tasks, started, due = [], time.perf_counter(), 0.0
         while due < seconds:
             await asyncio.sleep(max(0.0, started + due - time.perf_counter()))
-            tasks.append(asyncio.create_task(one(len(tasks))))
+            item = inputs[len(tasks) % len(inputs)]
+            tasks.append(asyncio.create_task(ask(engine, item, result)))
             due += rng.expovariate(rate)
         await asyncio.gather(*tasks)
-        result.duration_s = seconds
         return result
 
     async def measure() -> list[dict]:
