@@ -5,10 +5,13 @@
 # one run queued ahead, so a row holds its slot for about two runs besides its own steps,
 # and arrivals join two runs later. Each variant is the constant edited in this copy of
 # the tree (the device's), measured the same way, then put back:
+#   bench.stream_probe (the stream alone at 128 and 256 in flight: host time per check by
+#   phase, and the device time of the work each join and each run queues);
 #   bench.compare --servers engine-only (no HTTP), closed loop at 128 and 256 in flight and
 #   Poisson arrivals at 800 and 1,400 a second; then served Texel, closed loop at 128 and
 #   256 (the shipped plan). Batches of at most 128, 10 s a level after 2 s of warm-up.
-# Records in $OUT/cadence.jsonl, the variant in each record's commit (COMMIT-checkN).
+# Records in $OUT/cadence.jsonl and $OUT/probe.jsonl, the variant in each record's
+# commit (COMMIT-checkN).
 #   carry: .whl .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/formula_cadence.sh COMMIT [VARIANTS]   (VARIANTS: "8 4")
 COMMIT=${1:?usage: bash bench/device/formula_cadence.sh COMMIT [VARIANTS]}
@@ -27,9 +30,11 @@ for N in $VARIANTS; do
     sed -i "s/^CHECK_EVERY = [0-9]*$/CHECK_EVERY = $N/" $FILE
     grep -q "^CHECK_EVERY = $N$" $FILE || { echo "no CHECK_EVERY in $FILE" >> $L; exit 1; }
     export TEXEL_COMMIT=$COMMIT-check$N
+    step 0$i-probe-check$N 70 50 python3 -m bench.stream_probe --data /tmp/b \
+        --concurrency 128,256 --duration 8 --out $OUT/probe.jsonl
     step 0$i-engine-only-check$N 110 60 env PYTHONFAULTHANDLER=1 timeout -s ABRT 100 \
         $COMPARE --servers engine-only --concurrency 128,256 --rates 800,1400
     step 0$i-served-check$N 120 80 $COMPARE --servers texel --concurrency 128,256
     cp /tmp/fast_decode.py $FILE
 done
-summarize '^\||ready on|Error|error|^Thread|File '
+summarize '^\||stream-only|ready on|Error|error|^Thread|File '
