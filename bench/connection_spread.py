@@ -1,0 +1,91 @@
+"""How the kernel spreads kept-alive connections over Texel's HTTP processes.
+
+    python -m bench.connection_spread --processes 8 --connections 128
+
+Each HTTP process listens on a socket of its own bound to the port with SO_REUSEPORT,
+and the kernel picks one for every new connection by a hash of its addresses. A
+connection then stays with its process, so with few long-lived connections (a closed-loop
+benchmark's clients, a proxy's pool) the processes carry unequal shares of the requests.
+This starts `texel serve` with `--processes` HTTP processes (the formula model only),
+opens `--connections` TCP connections to it at once, and prints how many each process
+holds, largest first, `--repeats` times; a record goes to `bench/results/cpu.jsonl`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+
+from bench.common import append_records, commit, machine
+from bench.server import ROOT, ServerProcess
+
+
+def held(server_pid: int, port: int) -> list[int]:
+    """Established connections to `port`, per process of the server, largest first."""
+    counts: Counter[int] = Counter()
+    root = psutil.Process(server_pid)
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            connections = process.net_connections(kind="tcp")
+        except psutil.Error:
+            continue
+        for c in connections:
+            if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port:
+                counts[process.pid] += 1
+    return sorted(counts.values(), reverse=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--processes", type=int, default=8)
+    parser.add_argument("--connections", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu.jsonl")
+    args = parser.parse_args()
+    env = {"TEXEL_HTTP_PROCESSES": str(args.processes), "TEXEL_IMAGE__ENABLED": "false"}
+    server = ServerProcess(env)
+    spreads = []
+    try:
+        port = int(server.url.rsplit(":", 1)[1])
+        address = ("127.0.0.1", port)
+        for _ in range(args.repeats):
+            sockets = [socket.create_connection(address) for _ in range(args.connections)]
+            time.sleep(1.0)  # every process accepts what the kernel queued for it
+            spreads.append(held(server.process.pid, port))
+            for sock in sockets:
+                sock.close()
+            time.sleep(0.5)
+    finally:
+        server.stop()
+    mean = args.connections / args.processes
+    print(f"{machine()}; commit {commit()}; {args.connections} connections, mean {mean:g}\n")
+    print("| run | connections per HTTP process, largest first | largest / mean |")
+    print("|---:|---|---:|")
+    for i, spread in enumerate(spreads, 1):
+        print(f"| {i} | {', '.join(map(str, spread))} | {spread[0] / mean:.2f} |")
+    append_records(
+        [
+            {
+                "scenario": "connection-spread",
+                "machine": machine(),
+                "commit": commit(),
+                "command": "python -m bench.connection_spread "
+                f"--processes {args.processes} --connections {args.connections}",
+                "processes": args.processes,
+                "connections": args.connections,
+                "spreads": spreads,
+                "largest_over_mean": round(statistics.fmean(s[0] for s in spreads) / mean, 3),
+            }
+        ],
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()
