@@ -13,6 +13,7 @@ from models.formula.preprocess import (
     FormulaImageSpec,
     FormulaPreprocessor,
     _median_u8,
+    _pieces,
     bucket_width,
     decode_image,
     inside_frame,
@@ -515,3 +516,16 @@ def test_a_level_picture_is_not_turned():
     from models.formula.preprocess import skew_angle
 
     assert skew_angle(_glyphs(2), 3.0) == 0.0
+
+
+def test_an_xy_cut_finds_each_slice_and_each_piece_stacked_in_it():
+    ink = np.zeros((12, 16), dtype=bool)
+    ink[1:4, 2:5] = True  # a slice of columns 2-4 holding two pieces, one above the other
+    ink[7:11, 3:5] = True
+    ink[0:12, 9:10] = True  # a full-height bar alone in its slice
+    ink[5:6, 12:16] = True  # a flat piece touching the right edge
+    tops, bottoms, lefts, rights = _pieces(ink)
+    assert list(zip(tops, bottoms, lefts, rights, strict=True)) == [
+        (1, 4, 2, 5), (7, 11, 2, 5), (0, 12, 9, 10), (5, 6, 12, 16)
+    ]  # fmt: skip
+    assert all(len(part) == 0 for part in _pieces(np.zeros((4, 4), dtype=bool)))

@@ -486,6 +486,10 @@ def skew_angle(gray: Image.Image, max_degrees: float) -> float:
 
     def levelness(angle: float) -> float:
         """How sharply the ink falls into rows: the row profile's sum of squares."""
+        if angle == 0.0:  # each pixel wholly in its own row: the same sums, less work
+            index = ys - ys.min()
+            profile = np.bincount(index, weights, minlength=int(index.max()) + 2)
+            return float(np.dot(profile, profile))
         rows = ys - xs * np.tan(np.radians(angle))
         below = np.floor(rows)
         upper = rows - below  # each pixel splits between its two nearest rows
@@ -521,20 +525,27 @@ def stroke_width(gray: Image.Image) -> float:
     return float(2.0 * darkness.sum() / outline) if outline > 0 else 0.0
 
 
+def _edges(mask: np.ndarray) -> np.ndarray:
+    """Along the last axis of a boolean mask, True at each i (0 to its length) where the
+    positions i - 1 and i differ, positions outside the mask holding no ink: where a run
+    of ink starts, and just past where one ends."""
+    padded = np.zeros((*mask.shape[:-1], mask.shape[-1] + 2), dtype=bool)
+    padded[..., 1:-1] = mask
+    return padded[..., 1:] != padded[..., :-1]
+
+
 def _pieces(ink: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One level of an XY cut of a boolean ink mask: (top, bottom, left, right) of each
     piece, the mask cut at its blank columns and each slice at its blank rows."""
-    columns = np.flatnonzero(np.diff(ink.any(axis=0), prepend=False, append=False))
+    columns = np.flatnonzero(_edges(ink.any(axis=0)))
     if columns.size == 0:
         return (np.zeros(0, dtype=np.int64),) * 4
     starts, ends = columns[0::2], columns[1::2]
-    # Which rows hold ink in each slice (the blank columns between slices add nothing).
-    rows = np.zeros((ink.shape[0] + 2, starts.size), dtype=np.int8)
-    rows[1:-1] = np.logical_or.reduceat(ink, starts, axis=1)
-    edges = np.diff(rows, axis=0).T  # slice by slice: +1 where a piece starts, -1 past its end
-    slices, tops = np.nonzero(edges == 1)
-    _, bottoms = np.nonzero(edges == -1)
-    return tops, bottoms, starts[slices], ends[slices]
+    # Slice by slice, which rows hold ink (the blank columns between slices add nothing).
+    rows = np.logical_or.reduceat(ink, starts, axis=1).T
+    slices, cuts = np.nonzero(_edges(rows))
+    # A slice's cuts alternate: where a piece starts, then just past its end.
+    return cuts[0::2], cuts[1::2], starts[slices[0::2]], ends[slices[0::2]]
 
 
 def glyph_heights(gray: Image.Image, stroke: float) -> np.ndarray:
