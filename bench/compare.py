@@ -31,11 +31,13 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 
 from bench.common import append_records, commit, formula_images, machine, settings_env
+from bench.connection_spread import held
 from bench.load import LoadResult, Workload, closed_loop_processes, open_loop
 from bench.server import ROOT, ServerProcess, free_port
 
@@ -401,6 +403,17 @@ def py_spy(args, pid: int, label: str) -> list[subprocess.Popen]:
     return spies
 
 
+def spread_later(pid: int, url: str, delay_s: float) -> Future:
+    """After `delay_s`, the connections to `url`'s port that each process of the server
+    `pid` holds, largest first (`bench.connection_spread`): in a closed loop each client
+    keeps one, so this is how the load divides over the HTTP processes."""
+    port = int(url.rsplit(":", 1)[1])
+    pool = ThreadPoolExecutor(1)
+    spread = pool.submit(lambda: (time.sleep(delay_s), held(pid, port))[1])
+    pool.shutdown(wait=False)  # the thread ends with its task
+    return spread
+
+
 def sweep(
     args, server: str, url: str, workload: Workload, is_texel: bool, pid: int | None = None
 ) -> list[dict]:
@@ -410,12 +423,15 @@ def sweep(
         spies = []
         if pid is not None and concurrency == args.py_spy_at:
             spies = py_spy(args, pid, f"{server}-c{concurrency}")
+        spread = spread_later(pid, url, args.warmup + args.duration / 2) if pid else None
         result = closed_loop_processes(
             url, workload, concurrency, args.duration, args.warmup, args.client_processes
         )
         for spy in spies:
             spy.wait(60)
         extra = texel_extras(before, scrape(url)) if is_texel else {}
+        if spread is not None:
+            extra["connections_per_http_process"] = spread.result()
         records.append(record(args, server, concurrency, result, **extra))
     for rate in args.rates if is_texel else []:
         result = asyncio.run(open_loop(url, workload, rate, args.duration))

@@ -1,4 +1,5 @@
-"""bench.connection_spread counts each process's established connections to the port."""
+"""bench.connection_spread counts each process's established connections to the port, and
+bench.compare samples that count during a load."""
 
 import os
 import socket
@@ -16,6 +17,22 @@ def test_the_connections_a_process_accepted_on_the_port_are_counted_as_its_own()
         assert held(os.getpid(), port) == [3]
         accepted.pop().close()
         assert held(os.getpid(), port) == [2]
+    finally:
+        for sock in [*clients, *accepted, listener]:
+            sock.close()
+
+
+def test_bench_compare_samples_the_spread_while_its_load_runs():
+    from bench.compare import spread_later
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    spread = spread_later(os.getpid(), f"http://127.0.0.1:{port}", 0.2)
+    assert not spread.done()  # sampled later, while the load runs, not at once
+    clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+    accepted = [listener.accept()[0] for _ in clients]
+    try:
+        assert spread.result(timeout=5) == [2]
     finally:
         for sock in [*clients, *accepted, listener]:
             sock.close()
