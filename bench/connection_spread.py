@@ -52,12 +52,11 @@ def main() -> None:
     server = ServerProcess(env)
     spreads = []
     try:
-        port = int(server.url.rsplit(":", 1)[1])
-        address = ("127.0.0.1", port)
+        address = ("127.0.0.1", server.port)
         for _ in range(args.repeats):
             sockets = [socket.create_connection(address) for _ in range(args.connections)]
             time.sleep(1.0)  # every process accepts what the kernel queued for it
-            spreads.append(held(server.process.pid, port))
+            spreads.append(held(server.process.pid, server.port))
             for sock in sockets:
                 sock.close()
             time.sleep(0.5)
