@@ -8,8 +8,9 @@ default device. With continuous batching (the default with the static decoder)
 the formulas also go through the adapter's stream, joining the running decode in
 waves of random size at every check, as requests arrive at a busy server. Also
 compares Texel's static decoder with transformers' `generate()` on the same
-batches where both are available. Prints one JSON line
-per comparison and appends them to `--out`.
+batches where both are available. Prints one JSON line per comparison, with each
+answer that differs (its image, both answers, the token where they part), and
+appends them to `--out`.
 """
 
 from __future__ import annotations
@@ -68,9 +69,24 @@ def stream_all(recognizer: FormulaRecognizer, device, items: list, wave: int) ->
 
 
 def compare(name: str, left: list[str], right: list[str], **extra) -> dict:
-    same = sum(a == b for a, b in zip(left, right, strict=True))
-    return {"comparison": name, "images": len(left), "identical": same,
-            "identical_share": round(same / len(left), 4), **extra}  # fmt: skip
+    """How many answers agree, and for each that does not, its image and both answers
+    with the token where they part (the first token that differs)."""
+    differ = [i for i, (a, b) in enumerate(zip(left, right, strict=True)) if a != b]
+    return {
+        "comparison": name,
+        "images": len(left),
+        "identical": len(left) - len(differ),
+        "identical_share": round(1 - len(differ) / len(left), 4),
+        "differences": [_difference(i, left[i], right[i]) for i in differ],
+        **extra,
+    }
+
+
+def _difference(index: int, left: str, right: str) -> dict:
+    a, b = left.split(), right.split()
+    pairs = enumerate(zip(a, b, strict=False))
+    part = next((k for k, (x, y) in pairs if x != y), min(len(a), len(b)))
+    return {"image": index, "left": left, "right": right, "parts_at_token": part}
 
 
 def main() -> None:
@@ -141,6 +157,15 @@ def main() -> None:
                 "streamed (continuous batching) vs one at a time",
                 results["served, streamed"],
                 results["served, one at a time"],
+                batch_size=args.batch_size,
+                **base,
+            )
+        )
+        records.append(
+            compare(
+                "streamed vs batched",
+                results["served, streamed"],
+                results["served, batched"],
                 batch_size=args.batch_size,
                 **base,
             )
