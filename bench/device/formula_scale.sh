@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One call on a one-GPU machine (device tool): can served Texel carry what the engine
+# alone does at 256 in flight (about 2,160 formulas/s with batches of 256 on an H200,
+# bench/RESULTS.md, tenth session) once it has the HTTP processes for it? With batches of
+# 256 and 8 HTTP processes the served rate varied from 1,430 to 1,837 between loads, and
+# the loads that fell short were those whose requests waited longest in `preprocess`,
+# which is most of an HTTP process's CPU. Served loads at 256 in flight, twice each in
+# alternating order: batches of at most 128 or 256, 8 or 12 HTTP processes
+# (TEXEL_HTTP_PROCESSES; the default is min(8, cores / 2)). Then bench.equivalence on the
+# benchmark's 500 images, which now names each answer that differs and compares
+# streamed with batched answers.
+#   carry: .whl .gb (bench/device/bundle.sh); the image model moved out of the tree
+#   command: bash bench/device/formula_scale.sh COMMIT
+COMMIT=${1:?usage: bash bench/device/formula_scale.sh COMMIT}
+T0=$(date +%s)
+END=$((T0 + ${CALL_S:-560}))
+source bench/device/step.sh
+prepare "$COMMIT" .whl
+COMPARE="python3 -m bench.compare --data /tmp/b --duration 10 --warmup 2 --client-processes 4
+    --servers texel --concurrency 256 --out $OUT/scale.jsonl"
+i=0
+for pass in 1 2; do
+    for plan in "128 8" "256 8" "256 12" "128 12"; do
+        read -r batch http <<< "$plan"
+        i=$((i + 1))
+        step "0$i-batch$batch-http$http" 75 50 env TEXEL_HTTP_PROCESSES="$http" \
+            $COMPARE --max-batch-size "$batch"
+    done
+done
+step 09-equivalence 100 50 python3 -m bench.equivalence --data /tmp/b --images 500 \
+    --batch-size 128 --out $OUT/equivalence.jsonl
+summarize '^\||identical|ready on|Error|error'
