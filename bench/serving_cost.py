@@ -3,20 +3,25 @@
     python -m bench.serving_cost --concurrency 16 --duration 10
 
 Texel is started as `texel serve` with the real formula model loaded, but its batch
-computation replaced by a canned answer (`--instant`, see `serve_instant` below), so
-what remains is everything a request costs besides the model: HTTP, JSON and base64,
-image decoding, the batcher, tracing, metrics and logging. The figure that matters on
-a GPU is CPU milliseconds per request in the HTTP process (bench/RESULTS.md). The
-server runs as one process (the canned answer is patched into it, not into engine
-processes it would spawn). Each configuration runs in a fresh server; the table lists
-requests/s and CPU ms per request. Throughput on a 2-core
-machine is bounded by the client sharing it; CPU per request is not.
+computation replaced by a canned answer (`serve_instant` below), so what remains is
+everything a request costs besides the model: HTTP, JSON and base64, image decoding and
+preprocessing, the batcher, the engine protocol, tracing, metrics and logging. The
+replacement is made when this module is imported with `TEXEL_BENCH_INSTANT` set, so an
+engine process spawned by the launcher (which imports it again as its main module) gets
+it too. Each configuration runs in a fresh server; the table lists requests/s and CPU
+milliseconds per request of each kind of process: HTTP processes (those listening on
+the port), the engine process where it is one of its own, and the launcher where it is
+not also the HTTP process. The figure that matters on a GPU is the HTTP processes' CPU
+per request (bench/RESULTS.md): with `TEXEL_HTTP_PROCESSES=2` the CPU runs the GPU's
+plan, an engine process apart. Throughput on a 2-core machine is bounded by the client
+sharing it; CPU per request is not.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -34,14 +39,16 @@ CONFIGS = {
         "OTEL_TRACES_SAMPLER_ARG": "0.01",
     },
     "tracing SDK off (OTEL_SDK_DISABLED=true)": {"OTEL_SDK_DISABLED": "true"},
+    "the GPU plan: 2 HTTP processes and an engine process": {"TEXEL_HTTP_PROCESSES": "2"},
 }
+INSTANT = "TEXEL_BENCH_INSTANT"
+ROLES = ("http", "engine", "launcher")
 
 
-def serve_instant(host: str, port: int) -> None:
-    """`texel serve`, each formula batch answered at once with a fixed 48-token result:
-    the recognizer's public `runner` (what the batcher calls per device) is replaced;
-    warm-up still runs the model."""
-    from app.cli import serve
+def answer_instantly() -> None:
+    """Each formula batch answered at once with a fixed 48-token result: the recognizer's
+    public `runner` (what the batcher calls per device) is replaced; warm-up still runs
+    the model."""
     from models.base import DeviceRunner
     from models.formula import adapter
 
@@ -52,34 +59,56 @@ def serve_instant(host: str, port: int) -> None:
         return DeviceRunner(run)  # no stream: whole batches
 
     adapter.FormulaRecognizer.runner = instant_runner
+
+
+if os.environ.get(INSTANT):  # here and in every process spawned from `serve_instant`
+    answer_instantly()
+
+
+def serve_instant(host: str, port: int) -> None:
+    """`texel serve` with every formula batch answered at once (`answer_instantly`)."""
+    from app.cli import serve
+
     serve(host, port)
 
 
-def cpu_seconds(process: psutil.Process) -> tuple[float, float]:
-    """User + system CPU of the server's process, and of its children."""
-    own = sum(process.cpu_times()[:2])
-    children = 0.0
-    for child in process.children(recursive=True):
+def cpu_by_role(process: psutil.Process, port: int) -> dict[str, float]:
+    """User + system CPU seconds of the server's processes by role: `http` (listening on
+    `port`), `engine` (any other child but multiprocessing's resource tracker) and
+    `launcher` (the server's own process when it does not listen itself)."""
+    roles = {"http": 0.0, "engine": 0.0, "launcher": 0.0}
+    for each in [process, *process.children(recursive=True)]:
         try:
-            children += sum(child.cpu_times()[:2])
+            cpu = sum(each.cpu_times()[:2])
+            listening = any(
+                c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                for c in each.net_connections(kind="tcp")
+            )
+            tracker = "resource_tracker" in " ".join(each.cmdline())
         except psutil.NoSuchProcess:
             continue
-    return own, children
+        if listening:
+            roles["http"] += cpu
+        elif each.pid == process.pid:
+            roles["launcher"] += cpu
+        elif not tracker:
+            roles["engine"] += cpu
+    return roles
 
 
 def measure(env: dict[str, str], args, images: list[bytes]) -> dict:
     # Whole batches: the canned answer replaces a batch's decode, not a stream's.
     env = {"TEXEL_FORMULA__ADVANCED__CONTINUOUS": "false", **env}
     env = {**env, "TEXEL_IMAGE__ENABLED": "false", "TEXEL_FORMULA__MAX_QUEUE": "4096"}
-    server = ServerProcess(env, entry=("bench.serving_cost", "--instant"))
+    server = ServerProcess({**env, INSTANT: "1"}, entry=("bench.serving_cost", "--instant"))
     try:
         # Ready: every HTTP process accepts connections, so the client's spread over all.
         workload = json_workload("/recognize", images)
         closed_loop_processes(server.url, workload, args.concurrency, args.warmup, 0.5, 1)
         process = psutil.Process(server.process.pid)
-        own_before, children_before = cpu_seconds(process)
+        before = cpu_by_role(process, server.port)
         result = closed_loop_processes(server.url, workload, args.concurrency, args.duration, 0, 1)
-        own_after, children_after = cpu_seconds(process)
+        after = cpu_by_role(process, server.port)
     finally:
         server.stop()
     summary = result.summary()
@@ -88,9 +117,15 @@ def measure(env: dict[str, str], args, images: list[bytes]) -> dict:
         "throughput_rps": summary["throughput_rps"],
         "requests": summary["requests"],
         "errors": summary["errors"],
-        "server_cpu_ms_per_request": round((own_after - own_before) * per_request, 3),
-        "worker_cpu_ms_per_request": round((children_after - children_before) * per_request, 3),
+        **{
+            f"{role}_cpu_ms_per_request": round((after[role] - before[role]) * per_request, 3)
+            for role in after
+        },
     }
+
+
+def _column(runs: list[dict], key: str) -> str:
+    return ", ".join(f"{run[key]:.2f}" for run in runs)
 
 
 def main() -> None:
@@ -114,17 +149,16 @@ def main() -> None:
         return
     images = formula_images(args.data, args.images)
     print(f"{machine()}; commit {commit()}; concurrency {args.concurrency}, {args.duration:g} s\n")
-    print("| configuration | requests/s | CPU ms per request: server process | children |")
-    print("|---|---|---|---|")
+    print("| configuration | requests/s | CPU ms per request: HTTP processes | engine | launcher |")
+    print("|---|---|---|---|---|")
     for name in args.only:
         env = CONFIGS[name]
         runs = [measure(env, args, images) for _ in range(args.repeats)]
         record = {"configuration": name, "env": env, "runs": runs, "commit": commit()}
         print(json.dumps(record), file=sys.stderr)
         rates = ", ".join(f"{r['throughput_rps']:.0f}" for r in runs)
-        own = ", ".join(f"{r['server_cpu_ms_per_request']:.2f}" for r in runs)
-        workers = ", ".join(f"{r['worker_cpu_ms_per_request']:.2f}" for r in runs)
-        print(f"| {name} | {rates} | {own} | {workers} |", flush=True)
+        cpu = " | ".join(_column(runs, f"{role}_cpu_ms_per_request") for role in ROLES)
+        print(f"| {name} | {rates} | {cpu} |", flush=True)
 
 
 if __name__ == "__main__":
