@@ -8,7 +8,8 @@
 # alternating order: batches of at most 128 or 256, 8 or 12 HTTP processes
 # (TEXEL_HTTP_PROCESSES; the default is min(8, cores / 2)). Then bench.equivalence on the
 # benchmark's 500 images, which now names each answer that differs and compares
-# streamed with batched answers.
+# streamed with batched answers, once as shipped and once with no batch bucket under 8
+# rows.
 #   carry: .whl .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/formula_scale.sh COMMIT
 COMMIT=${1:?usage: bash bench/device/formula_scale.sh COMMIT}
@@ -29,4 +30,14 @@ for pass in 1 2; do
 done
 step 09-equivalence 100 50 python3 -m bench.equivalence --data /tmp/b --images 500 \
     --batch-size 128 --out $OUT/equivalence.jsonl
+# The same with the smallest batch bucket 8 instead of 1 (edited in the device's copy,
+# then put back): do rows decoded alone part from batched ones only through the
+# one-row graphs' kernels? (On the CPU, which pads no rows, 500 of 500 are identical.)
+FILE=models/formula/fast_decode.py
+cp $FILE /tmp/fast_decode.py
+sed -i 's/^    size = 1$/    size = 8/' $FILE
+grep -q '^    size = 8$' $FILE && TEXEL_COMMIT=$COMMIT-bucket8 step 10-equivalence-bucket8 100 50 \
+    python3 -m bench.equivalence --data /tmp/b --images 500 --batch-size 128 \
+    --out $OUT/equivalence.jsonl
+cp /tmp/fast_decode.py $FILE
 summarize '^\||identical|ready on|Error|error'
