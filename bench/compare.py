@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import append_records, commit, formula_images, machine, settings_env
-from bench.connection_spread import held
+from bench.connection_spread import by_role, cpu_seconds, held
 from bench.load import LoadResult, Workload, closed_loop_processes, open_loop
 from bench.server import ROOT, ServerProcess, free_port
 
@@ -414,6 +414,34 @@ def spread_later(pid: int, url: str, delay_s: float) -> Future:
     return spread
 
 
+def cores_later(pid: int, url: str, start_s: float, window_s: float) -> Future:
+    """The cores each HTTP process of the server `pid` used (busiest first), and its
+    engine processes together, over the `window_s` seconds from `start_s` on: whether
+    an HTTP process, whose interpreter lock lets it use about one, is near its limit."""
+    port = int(url.rsplit(":", 1)[1])
+
+    def measure() -> dict:
+        time.sleep(start_s)
+        roles = by_role(pid, port)
+        before = {p.pid: cpu_seconds(p) for role in roles.values() for p in role}
+        time.sleep(window_s)
+
+        def cores(process) -> float:
+            return (cpu_seconds(process) - before[process.pid]) / window_s
+
+        return {
+            "cores_per_http_process": sorted(
+                (round(cores(p), 2) for p in roles["http"]), reverse=True
+            ),
+            "engine_cores": round(sum(cores(p) for p in roles["engine"]), 2),
+        }
+
+    pool = ThreadPoolExecutor(1)
+    sampled = pool.submit(measure)
+    pool.shutdown(wait=False)  # the thread ends with its task
+    return sampled
+
+
 def sweep(
     args, server: str, url: str, workload: Workload, is_texel: bool, pid: int | None = None
 ) -> list[dict]:
@@ -424,6 +452,7 @@ def sweep(
         if pid is not None and concurrency == args.py_spy_at:
             spies = py_spy(args, pid, f"{server}-c{concurrency}")
         spread = spread_later(pid, url, args.warmup + args.duration / 2) if pid else None
+        cores = cores_later(pid, url, args.warmup, args.duration) if pid else None
         result = closed_loop_processes(
             url, workload, concurrency, args.duration, args.warmup, args.client_processes
         )
@@ -432,6 +461,8 @@ def sweep(
         extra = texel_extras(before, scrape(url)) if is_texel else {}
         if spread is not None:
             extra["connections_per_http_process"] = spread.result()
+        if cores is not None:
+            extra.update(cores.result())
         records.append(record(args, server, concurrency, result, **extra))
     for rate in args.rates if is_texel else []:
         result = asyncio.run(open_loop(url, workload, rate, args.duration))

@@ -26,6 +26,38 @@ from bench.common import append_records, commit, machine
 from bench.server import ROOT, ServerProcess
 
 
+def by_role(server_pid: int, port: int) -> dict[str, list[psutil.Process]]:
+    """The server's processes by role: `http` (listening on `port`), `engine` (any other
+    child but multiprocessing's resource tracker) and `launcher` (the server's own process
+    where it does not listen itself)."""
+    root = psutil.Process(server_pid)
+    roles: dict[str, list[psutil.Process]] = {"http": [], "engine": [], "launcher": []}
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            listening = any(
+                c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                for c in process.net_connections(kind="tcp")
+            )
+            tracker = "resource_tracker" in " ".join(process.cmdline())
+        except psutil.Error:
+            continue
+        if listening:
+            roles["http"].append(process)
+        elif process.pid == server_pid:
+            roles["launcher"].append(process)
+        elif not tracker:
+            roles["engine"].append(process)
+    return roles
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    """User + system CPU seconds `process` has used; 0 once it is gone."""
+    try:
+        return sum(process.cpu_times()[:2])
+    except psutil.Error:
+        return 0.0
+
+
 def held(server_pid: int, port: int) -> list[int]:
     """Established connections to `port`, per process of the server, largest first."""
     counts: Counter[int] = Counter()

@@ -25,10 +25,9 @@ import os
 import sys
 from pathlib import Path
 
-import psutil
-
 from bench.common import commit, formula_images, machine
 from bench.compare import json_workload
+from bench.connection_spread import by_role, cpu_seconds
 from bench.load import closed_loop_processes
 from bench.server import ROOT, ServerProcess
 
@@ -72,28 +71,11 @@ def serve_instant(host: str, port: int) -> None:
     serve(host, port)
 
 
-def cpu_by_role(process: psutil.Process, port: int) -> dict[str, float]:
-    """User + system CPU seconds of the server's processes by role: `http` (listening on
-    `port`), `engine` (any other child but multiprocessing's resource tracker) and
-    `launcher` (the server's own process when it does not listen itself)."""
-    roles = {"http": 0.0, "engine": 0.0, "launcher": 0.0}
-    for each in [process, *process.children(recursive=True)]:
-        try:
-            cpu = sum(each.cpu_times()[:2])
-            listening = any(
-                c.status == psutil.CONN_LISTEN and c.laddr.port == port
-                for c in each.net_connections(kind="tcp")
-            )
-            tracker = "resource_tracker" in " ".join(each.cmdline())
-        except psutil.NoSuchProcess:
-            continue
-        if listening:
-            roles["http"] += cpu
-        elif each.pid == process.pid:
-            roles["launcher"] += cpu
-        elif not tracker:
-            roles["engine"] += cpu
-    return roles
+def cpu_by_role(server_pid: int, port: int) -> dict[str, float]:
+    """User + system CPU seconds of the server's processes, summed by role
+    (`bench.connection_spread.by_role`)."""
+    roles = by_role(server_pid, port)
+    return {role: sum(cpu_seconds(p) for p in processes) for role, processes in roles.items()}
 
 
 def measure(env: dict[str, str], args, images: list[bytes]) -> dict:
@@ -105,10 +87,9 @@ def measure(env: dict[str, str], args, images: list[bytes]) -> dict:
         # Ready: every HTTP process accepts connections, so the client's spread over all.
         workload = json_workload("/recognize", images)
         closed_loop_processes(server.url, workload, args.concurrency, args.warmup, 0.5, 1)
-        process = psutil.Process(server.process.pid)
-        before = cpu_by_role(process, server.port)
+        before = cpu_by_role(server.process.pid, server.port)
         result = closed_loop_processes(server.url, workload, args.concurrency, args.duration, 0, 1)
-        after = cpu_by_role(process, server.port)
+        after = cpu_by_role(server.process.pid, server.port)
     finally:
         server.stop()
     summary = result.summary()

@@ -6,7 +6,8 @@
 # the loads that fell short were those whose requests waited longest in `preprocess`,
 # which is most of an HTTP process's CPU. Served loads at 256 in flight, twice each in
 # alternating order: batches of at most 128 or 256, 8 or 12 HTTP processes
-# (TEXEL_HTTP_PROCESSES; the default is min(8, cores / 2)). Then bench.equivalence on the
+# (TEXEL_HTTP_PROCESSES; the default is min(8, cores / 2)); each record says how many
+# cores each HTTP process and the engine used. Then bench.equivalence on the
 # benchmark's 500 images, which now names each answer that differs and compares
 # streamed with batched answers, once as shipped and once with no batch bucket under 8
 # rows.

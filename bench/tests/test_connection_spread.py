@@ -1,8 +1,10 @@
 """bench.connection_spread counts each process's established connections to the port, and
 bench.compare samples that count during a load."""
 
+import hashlib
 import os
 import socket
+import time
 
 from bench.connection_spread import held
 
@@ -36,3 +38,22 @@ def test_bench_compare_samples_the_spread_while_its_load_runs():
     finally:
         for sock in [*clients, *accepted, listener]:
             sock.close()
+
+
+def test_bench_compare_samples_the_cores_each_http_process_uses_during_the_load():
+    from bench.compare import cores_later
+
+    listener = socket.create_server(("127.0.0.1", 0))  # this process is the HTTP process
+    port = listener.getsockname()[1]
+    try:
+        cores = cores_later(os.getpid(), f"http://127.0.0.1:{port}", 0.1, 0.5)
+        block = bytes(1 << 20)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:  # busy through the window, mostly in C
+            hashlib.sha256(block).digest()  # without the interpreter lock: the sampler runs
+        sampled = cores.result(timeout=5)
+    finally:
+        listener.close()
+    assert len(sampled["cores_per_http_process"]) == 1
+    assert sampled["cores_per_http_process"][0] > 0.5
+    assert sampled["engine_cores"] == 0
