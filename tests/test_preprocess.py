@@ -253,6 +253,17 @@ def test_gray_stored_as_colour_gives_the_strip_its_gray_gives():
         assert np.array_equal(prepare_strip(gray.convert("RGB"), SPEC), prepare_strip(gray, SPEC))
 
 
+def test_one_differing_pixel_keeps_a_picture_in_colour():
+    from models.formula.preprocess import _one_channel
+
+    rgb = _formula_like().convert("RGB")
+    assert np.array_equal(np.asarray(_one_channel(rgb)), np.asarray(_formula_like()))
+    for channel in (1, 2):
+        pixels = np.array(rgb)
+        pixels[5, 7, channel] ^= 1  # one pixel, one channel, one level
+        assert _one_channel(Image.fromarray(pixels)) is None
+
+
 def test_median_of_8_bit_pixels_is_numpys_rounded_median():
     rng = np.random.default_rng(3)
     for count in [1, 2, 3, 4, 7, 100, 1001]:

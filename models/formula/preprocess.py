@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageChops, ImageOps
 
 from models.errors import CorruptImage, ImageTooLarge, UnsupportedImage
 
@@ -227,6 +227,14 @@ def _flat_pixels(image: Image.Image) -> np.ndarray:
     return np.asarray(image.convert("RGB" if image.mode not in ("1", "L") else "L"))
 
 
+def _one_channel(image: Image.Image) -> Image.Image | None:
+    """An RGB picture's one channel where all three are the same, else None (compared by
+    PIL, without copying the picture into an array)."""
+    red, green, blue = image.split()
+    same = ImageChops.difference(red, green).getbbox() is None
+    return red if same and ImageChops.difference(red, blue).getbbox() is None else None
+
+
 def _quantile_u8(values: np.ndarray, q: float) -> int:
     """The `q` quantile of 8-bit values, from their histogram (no sort)."""
     cumulative = np.cumsum(np.bincount(values.ravel(), minlength=256))
@@ -245,9 +253,9 @@ def _median_u8(values: np.ndarray) -> np.ndarray:
     return out
 
 
-def ink_on_paper(image: Image.Image) -> Image.Image | None:
-    """Dark ink on white paper in 8-bit gray, whatever the picture's colours; None when it
-    holds no ink (blank, uniform, or too small to hold anything legible).
+def ink_on_paper(image: Image.Image) -> np.ndarray | None:
+    """Dark ink on white paper, 8-bit gray pixels [H, W], whatever the picture's colours;
+    None when it holds no ink (blank, uniform, or too small to hold anything legible).
 
     The paper is the picture's median colour; a pixel's ink is its largest channel
     difference from it. So coloured ink, tinted paper and dark mode (light ink on a dark
@@ -256,12 +264,16 @@ def ink_on_paper(image: Image.Image) -> Image.Image | None:
     """
     if min(image.size) < MIN_SIDE:
         return None
-    channels = _flat_pixels(image)
-    channels = channels.reshape(*channels.shape[:2], -1)
-    if channels.shape[2] > 1 and (channels[:, :, :1] == channels).all():
-        # Gray stored as colour (most renders and screenshots of black on white): every
-        # step below gives the same answer from one channel as from three.
-        channels = channels[:, :, :1].copy()
+    # Gray stored as colour (most renders and screenshots of black on white): every step
+    # below gives the same answer from one channel as from three.
+    gray = _one_channel(image) if image.mode == "RGB" else None
+    if gray is not None:
+        channels = np.asarray(gray)[:, :, None]
+    else:
+        channels = _flat_pixels(image)
+        channels = channels.reshape(*channels.shape[:2], -1)
+        if image.mode != "RGB" and channels.shape[2] > 1 and (channels[:, :, :1] == channels).all():
+            channels = channels[:, :, :1].copy()
     card = on_its_card(channels)
     if card is not None:
         channels = card
@@ -285,7 +297,7 @@ def ink_on_paper(image: Image.Image) -> Image.Image | None:
         level = 255.0
     # One lookup table maps each difference to its stretched gray.
     lut = np.clip(np.rint(255.0 - np.arange(256) * (255.0 / level)), 0, 255).astype(np.uint8)
-    return Image.fromarray(np.take(lut, distance), "L")
+    return np.take(lut, distance)
 
 
 def on_its_card(channels: np.ndarray) -> np.ndarray | None:
@@ -422,12 +434,13 @@ def _spread(size: int, blocks: int) -> np.ndarray:
     return np.stack(weights, axis=1).astype(np.float32)
 
 
-def inside_frame(gray: Image.Image) -> Image.Image | None:
+def inside_frame(gray: Image.Image | np.ndarray) -> np.ndarray | None:
     """What a frame around all of the ink holds (a screenshot of a bordered box), or None
     without one. The frame's four sides are thin lines along the ink's bounding box that
     touch nothing inside it; a formula's own bars, brackets and fraction lines never make
     up all four (but an `\\fbox` around a whole formula is taken for a frame)."""
-    ink = np.asarray(gray) < INK_THRESHOLD
+    pixels = np.asarray(gray)
+    ink = pixels < INK_THRESHOLD
     rows, cols = np.flatnonzero(ink.any(axis=1)), np.flatnonzero(ink.any(axis=0))
     if rows.size == 0:
         return None
@@ -451,32 +464,33 @@ def inside_frame(gray: Image.Image) -> Image.Image | None:
     inner = box[above : height - below, before : width - after]
     if inner[0].any() or inner[-1].any() or inner[:, 0].any() or inner[:, -1].any():
         return None  # ink runs into the lines: they are the formula's own
-    return gray.crop((left + before, top + above, left + width - after, top + height - below))
+    return pixels[top + above : top + height - below, left + before : left + width - after]
 
 
-def trim_margins(gray: Image.Image, margin: int) -> Image.Image:
+def trim_margins(gray: Image.Image | np.ndarray, margin: int) -> np.ndarray:
     """Crop to the ink's bounding box plus `margin` white pixels on each side."""
     pixels = np.asarray(gray)
-    ink_rows = np.flatnonzero((pixels < INK_THRESHOLD).any(axis=1))
-    ink_cols = np.flatnonzero((pixels < INK_THRESHOLD).any(axis=0))
+    ink = pixels < INK_THRESHOLD
+    ink_rows = np.flatnonzero(ink.any(axis=1))
     if ink_rows.size == 0:
-        return gray  # a blank image stays blank; the model answers with an empty formula
-    top, bottom = ink_rows[0], ink_rows[-1] + 1
-    left, right = ink_cols[0], ink_cols[-1] + 1
-    cropped = gray.crop((left, top, right, bottom))
-    return ImageOps.expand(cropped, border=margin, fill=255)
+        return pixels  # a blank image stays blank; the model answers with an empty formula
+    ink_cols = np.flatnonzero(ink.any(axis=0))
+    cropped = pixels[ink_rows[0] : ink_rows[-1] + 1, ink_cols[0] : ink_cols[-1] + 1]
+    return np.pad(cropped, margin, constant_values=255)
 
 
-def skew_angle(gray: Image.Image, max_degrees: float) -> float:
+def skew_angle(gray: Image.Image | np.ndarray, max_degrees: float) -> float:
     """The rotation (degrees, counter-clockwise) that levels the ink's rows best, within
     `max_degrees`: formulas sit on baselines and fraction bars, whose row profile is
     sharpest when level. 0 unless a tilt is clearly better than none.
 
     For angles this small a rotation moves each ink pixel by `x * tan(angle)` rows, so
     each candidate's row profile is one weighted histogram of the ink, not a resampling."""
-    if max_degrees <= 0 or min(gray.size) < MIN_SIDE:
+    pixels = np.asarray(gray)
+    if max_degrees <= 0 or min(pixels.shape) < MIN_SIDE:
         return 0.0
-    small = gray.reduce(max(1, gray.height // SKEW_HEIGHT))  # an angle needs no detail
+    factor = pixels.shape[0] // SKEW_HEIGHT  # an angle needs no detail
+    small = Image.fromarray(pixels).reduce(factor) if factor > 1 else pixels
     darkness = 255.0 - np.asarray(small, dtype=np.float32)
     ys, xs = np.nonzero(darkness > 0)
     if ys.size == 0:
@@ -516,7 +530,7 @@ def skew_angle(gray: Image.Image, max_degrees: float) -> float:
     return best if best_score > level * SKEW_GAIN else 0.0
 
 
-def stroke_width(gray: Image.Image) -> float:
+def stroke_width(gray: Image.Image | np.ndarray) -> float:
     """The typical stroke width of the ink, in pixels: twice its area over its outline's
     length (total variation), both from gray levels, so blur and anti-aliasing do not
     change it. Strokes thinner than about a pixel all measure about a pixel."""
@@ -548,7 +562,7 @@ def _pieces(ink: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
     return cuts[0::2], cuts[1::2], starts[slices[0::2]], ends[slices[0::2]]
 
 
-def glyph_heights(gray: Image.Image, stroke: float) -> np.ndarray:
+def glyph_heights(gray: Image.Image | np.ndarray, stroke: float) -> np.ndarray:
     """Heights in pixels of the ink's glyphs: the picture cut at its blank columns, each
     slice at its blank rows, and each piece much wider than tall (a fraction's numerator,
     a matrix row) cut again, up to `GLYPH_CUTS` times; the pieces taller than
@@ -572,14 +586,14 @@ def glyph_heights(gray: Image.Image, stroke: float) -> np.ndarray:
     return heights[heights > GLYPH_MIN_STROKES * stroke]
 
 
-def glyph_height(gray: Image.Image, stroke: float | None = None) -> float | None:
+def glyph_height(gray: Image.Image | np.ndarray, stroke: float | None = None) -> float | None:
     """The median height of the ink's glyphs (`glyph_heights`) in pixels, which follows
     the font size whatever its weight; None for fewer than `GLYPH_MIN_COUNT` glyphs."""
     heights = glyph_heights(gray, stroke_width(gray) if stroke is None else stroke)
     return float(np.median(heights)) if heights.size >= GLYPH_MIN_COUNT else None
 
 
-def native_upscale(gray: Image.Image, spec: FormulaImageSpec) -> float | None:
+def native_upscale(gray: Image.Image | np.ndarray, spec: FormulaImageSpec) -> float | None:
     """`spec.max_upscale` for this picture: the same cap for one drawn at the training
     scale, proportionally less for a larger drawing (a HiDPI screenshot), so that its
     strokes end up as thick as the model's training images'; or its glyphs as tall,
@@ -603,7 +617,7 @@ def native_upscale(gray: Image.Image, spec: FormulaImageSpec) -> float | None:
 
 
 def fit_to_height(
-    gray: Image.Image, spec: FormulaImageSpec, max_upscale: float | None = None
+    gray: Image.Image | np.ndarray, spec: FormulaImageSpec, max_upscale: float | None = None
 ) -> Image.Image:
     """Scale to the model's height keeping the aspect ratio; never wider than `max_width`.
 
@@ -611,6 +625,8 @@ def fit_to_height(
     and centred vertically on white, as is one that `max_upscale` (by default the
     spec's) keeps small.
     """
+    if isinstance(gray, np.ndarray):
+        gray = Image.fromarray(gray)
     if spec.fixed_size:
         return gray.resize((spec.max_width, spec.height), Image.Resampling.BILINEAR)
     width, height = gray.size
@@ -649,7 +665,9 @@ def prepare_strip(image: Image.Image, spec: FormulaImageSpec) -> np.ndarray:
     gray = trim_margins(gray, spec.margin)
     angle = skew_angle(gray, spec.max_skew)
     if angle:
-        turned = gray.rotate(angle, Image.Resampling.BICUBIC, expand=True, fillcolor=255)
+        turned = Image.fromarray(gray).rotate(
+            angle, Image.Resampling.BICUBIC, expand=True, fillcolor=255
+        )
         gray = trim_margins(turned, spec.margin)
     return np.asarray(fit_to_height(gray, spec, native_upscale(gray, spec)), dtype=np.uint8)
 
