@@ -408,10 +408,7 @@ def spread_later(pid: int, url: str, delay_s: float) -> Future:
     `pid` holds, largest first (`bench.connection_spread`): in a closed loop each client
     keeps one, so this is how the load divides over the HTTP processes."""
     port = int(url.rsplit(":", 1)[1])
-    pool = ThreadPoolExecutor(1)
-    spread = pool.submit(lambda: (time.sleep(delay_s), held(pid, port))[1])
-    pool.shutdown(wait=False)  # the thread ends with its task
-    return spread
+    return _in_background(lambda: (time.sleep(delay_s), held(pid, port))[1])
 
 
 def cores_later(pid: int, url: str, start_s: float, window_s: float) -> Future:
@@ -436,10 +433,15 @@ def cores_later(pid: int, url: str, start_s: float, window_s: float) -> Future:
             "engine_cores": round(sum(cores(p) for p in roles["engine"]), 2),
         }
 
+    return _in_background(measure)
+
+
+def _in_background(function) -> Future:
+    """`function()` on a thread of its own, which ends with it."""
     pool = ThreadPoolExecutor(1)
-    sampled = pool.submit(measure)
-    pool.shutdown(wait=False)  # the thread ends with its task
-    return sampled
+    future = pool.submit(function)
+    pool.shutdown(wait=False)
+    return future
 
 
 def sweep(

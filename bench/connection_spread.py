@@ -26,13 +26,18 @@ from bench.common import append_records, commit, machine
 from bench.server import ROOT, ServerProcess
 
 
+def _tree(server_pid: int) -> list[psutil.Process]:
+    """The server's process and all its descendants."""
+    root = psutil.Process(server_pid)
+    return [root, *root.children(recursive=True)]
+
+
 def by_role(server_pid: int, port: int) -> dict[str, list[psutil.Process]]:
     """The server's processes by role: `http` (listening on `port`), `engine` (any other
     child but multiprocessing's resource tracker) and `launcher` (the server's own process
     where it does not listen itself)."""
-    root = psutil.Process(server_pid)
     roles: dict[str, list[psutil.Process]] = {"http": [], "engine": [], "launcher": []}
-    for process in [root, *root.children(recursive=True)]:
+    for process in _tree(server_pid):
         try:
             listening = any(
                 c.status == psutil.CONN_LISTEN and c.laddr.port == port
@@ -61,8 +66,7 @@ def cpu_seconds(process: psutil.Process) -> float:
 def held(server_pid: int, port: int) -> list[int]:
     """Established connections to `port`, per process of the server, largest first."""
     counts: Counter[int] = Counter()
-    root = psutil.Process(server_pid)
-    for process in [root, *root.children(recursive=True)]:
+    for process in _tree(server_pid):
         try:
             connections = process.net_connections(kind="tcp")
         except psutil.Error:
