@@ -1,10 +1,10 @@
 """bench.connection_spread counts each process's established connections to the port, and
 bench.compare samples that count during a load."""
 
-import hashlib
 import os
 import socket
-import time
+import subprocess
+import sys
 
 from bench.connection_spread import held
 
@@ -43,17 +43,21 @@ def test_bench_compare_samples_the_spread_while_its_load_runs():
 def test_bench_compare_samples_the_cores_each_http_process_uses_during_the_load():
     from bench.compare import cores_later
 
-    listener = socket.create_server(("127.0.0.1", 0))  # this process is the HTTP process
-    port = listener.getsockname()[1]
+    # A server of one process and no children: it listens on a port and keeps a core busy.
+    busy = (
+        "import socket, sys, time\n"
+        "listener = socket.create_server(('127.0.0.1', 0))\n"
+        "print(listener.getsockname()[1], flush=True)\n"
+        "deadline = time.monotonic() + 1.5\n"
+        "while time.monotonic() < deadline: pass\n"
+    )
+    server = subprocess.Popen([sys.executable, "-c", busy], stdout=subprocess.PIPE, text=True)
     try:
-        cores = cores_later(os.getpid(), f"http://127.0.0.1:{port}", 0.1, 0.5)
-        block = bytes(1 << 20)
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:  # busy through the window, mostly in C
-            hashlib.sha256(block).digest()  # without the interpreter lock: the sampler runs
-        sampled = cores.result(timeout=5)
+        port = int(server.stdout.readline())
+        sampled = cores_later(server.pid, f"http://127.0.0.1:{port}", 0.1, 0.8).result(timeout=5)
     finally:
-        listener.close()
+        server.kill()
+        server.wait()
     assert len(sampled["cores_per_http_process"]) == 1
     assert sampled["cores_per_http_process"][0] > 0.5
     assert sampled["engine_cores"] == 0
