@@ -11,6 +11,7 @@ from PIL import Image
 
 from training.formula import latex_render, school
 from training.formula.data import FormulaSample, is_dev, quantized_png
+from training.formula.synth import LONG_TOKENS
 
 needs_latex = pytest.mark.skipif(
     shutil.which("latex") is None or shutil.which("dvipng") is None,
@@ -298,3 +299,21 @@ def test_a_school_set_packs_and_reads_back_in_the_training_format(tmp_path):
     assert {formula for _, formula in rows} <= train
     latex_render.pack(tmp_path / "set", tmp_path / "set.lvl.xz", max_bytes=10**6)
     assert_same_rows(latex_render.read_rendered(tmp_path / "set.lvl.xz"), rows)
+
+
+def test_long_share_draws_long_formulas_more_often(tmp_path):
+    short = [f"x = {i}" for i in range(40)]
+    long = [" ".join(["a", "+"] * 40) + f" {i}" for i in range(4)]
+    names = [f"{i}.png" for i in range(300)]
+    train_names = [n for n in names if not is_dev(n)][: len(short) + len(long)]
+    samples = [FormulaSample(n, f) for n, f in zip(train_names, short + long, strict=True)]
+    data = write_data(tmp_path, samples)
+
+    def long_drawn(share: float) -> float:
+        source = latex_render.FormulaSource(data, train_share=1.0, long_share=share)
+        rng = np.random.default_rng(0)
+        drawn = [source.draw(rng)[0] for _ in range(400)]
+        return sum(len(f.split()) >= LONG_TOKENS for f in drawn) / len(drawn)
+
+    assert long_drawn(0.0) < 0.2  # 4 of 44 in the pool
+    assert 0.47 < long_drawn(0.5) < 0.62  # half from the long ones, plus 4 in 44 of the rest

@@ -57,7 +57,7 @@ from PIL import Image
 
 from training.formula import school
 from training.formula.data import add_bytes, quantized_png, read_formulas, split_samples
-from training.formula.synth import FormulaComposer
+from training.formula.synth import LONG_TOKENS, FormulaComposer
 
 # im2markup's rendering: article at its default 10pt, display math, no page numbers. amssymb is
 # loaded as well since normalized im2latex formulas use its symbols, and what school maths
@@ -376,14 +376,18 @@ class FormulaSource:
     """Train formulas and compositions of them, never a dev formula, from a seed."""
 
     def __init__(
-        self, data_dir: str | Path, train_share: float = 0.3, fonts: Sequence[str] = (DEFAULT_FONT,)
+        self,
+        data_dir: str | Path,
+        train_share: float = 0.3,
+        fonts: Sequence[str] = (DEFAULT_FONT,),
+        long_share: float = 0.0,
     ):
         samples = read_formulas(data_dir)
         train, dev = split_samples(samples)
         self.train = [s.formula for s in train]
         self.train_set = frozenset(self.train)
         self.dev = frozenset(s.formula for s in dev)
-        self.composer = FormulaComposer(self.train, max_tokens=MAX_TOKENS - 1)
+        self.composer = FormulaComposer(self.train, MAX_TOKENS - 1, long_share)
         self.train_share = train_share
         self.fonts = training_fonts(fonts)
         self.rejected_dev = 0
@@ -392,7 +396,7 @@ class FormulaSource:
         """(formula, is_composed); anything equal to a dev formula is drawn again."""
         while True:
             if rng.random() < self.train_share:
-                formula = self.train[rng.integers(len(self.train))]
+                formula = self.composer.pick(rng)
             else:  # compose() sometimes changes nothing: try again a few times
                 for _ in range(COMPOSE_TRIES):
                     formula = self.composer.compose(rng)
@@ -502,10 +506,12 @@ def render_set(
     train_share: float = 0.3,
     append: bool = False,
     fonts: Sequence[str] = (DEFAULT_FONT,),
+    long_share: float = 0.0,
 ) -> dict[str, int]:
     """Write `count` images (fewer if `max_minutes` runs out), formulas.tsv and origins.tsv
     to `out_dir`; `train_share` of the draws are verbatim train formulas, each chunk in
-    one of `fonts` (training fonts only).
+    one of `fonts` (training fonts only); `long_share` of the draws, verbatim or the base
+    of a composition, come from the long train formulas alone (`synth.LONG_TOKENS`).
 
     With `append`, the images join the set already there, named after its last one (give
     a seed the set was not made with, or its formulas come again).
@@ -513,7 +519,7 @@ def render_set(
     out = Path(out_dir)
     if append and (out / "formulas.tsv").exists():
         recover_origins(out, data_dir)
-    source = FormulaSource(data_dir, train_share, fonts)
+    source = FormulaSource(data_dir, train_share, fonts, long_share)
     return _write_set(source, out, count, seed, workers, chunk, max_minutes, append)
 
 
@@ -910,6 +916,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--train-share", type=float, default=0.3, help="share of verbatim train formulas drawn"
     )
     parser.add_argument(
+        "--long-share",
+        type=float,
+        default=0.0,
+        help="share of draws from the long train formulas alone (at least "
+        f"{LONG_TOKENS} tokens; im2latex sets only)",
+    )
+    parser.add_argument(
         "--append", action="store_true", help="add to the set in --out (give it a new --seed)"
     )
     parser.add_argument(
@@ -971,6 +984,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             args.train_share,
             args.append,
             fonts,
+            args.long_share,
         )
     if args.count:
         print(

@@ -81,16 +81,33 @@ def _top_level_splits(tokens: list[str]) -> list[int]:
     return splits
 
 
+# Formulas at least this long are "long" for `FormulaComposer.long_share`: on the dev
+# split, exact match falls below a third from here on (training/formula/NOTES.md).
+LONG_TOKENS = 60
+
+
 @dataclass
 class FormulaComposer:
     """Makes plausible new formulas from a pool of normalized training formulas."""
 
     formulas: list[str]
     max_tokens: int = 150
+    # The share of draws taken from the long formulas alone (at least LONG_TOKENS tokens),
+    # for sets that teach long formulas more often than the pool holds them.
+    long_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.long = [f for f in self.formulas if len(f.split()) >= LONG_TOKENS]
+
+    def pick(self, rng: np.random.Generator) -> str:
+        """A pool formula: one of the long ones `long_share` of the time, else any."""
+        if self.long_share and self.long and rng.random() < self.long_share:
+            return self.long[rng.integers(len(self.long))]
+        return self.formulas[rng.integers(len(self.formulas))]
 
     def compose(self, rng: np.random.Generator) -> str:
         """One new formula; an unchanged training formula when the result grows too long."""
-        tokens = self.formulas[rng.integers(len(self.formulas))].split()
+        tokens = self.pick(rng).split()
         if rng.random() < 0.3:
             tokens = self.splice(tokens, rng)
         if rng.random() < 0.4:
