@@ -4,8 +4,9 @@ On a CPU with one HTTP process everything runs in one process: uvicorn, the rout
 the engine (`LocalEngine`). Otherwise the launcher starts one engine process per device
 (`engine.process`) and N identical HTTP processes, each listening on a socket of its
 own bound to the same port with SO_REUSEPORT (the kernel spreads new connections over
-them), each connected to every engine. A request crosses two process boundaries: HTTP
-process to engine and back.
+them; a process holding more than its share of them closes one after its next answer,
+`app.server.ConnectionShare`), each connected to every engine. A request crosses two
+process boundaries: HTTP process to engine and back.
 
 The launcher holds no model and answers no request. It restarts an engine or HTTP
 process that dies (an engine's in-flight requests fail with it; HTTP processes
@@ -138,10 +139,13 @@ def run_http_process(
     address: tuple[str, int],
     engines: list[tuple[str, str]],
     parent_pid: int,
+    index: int,
+    connections,
 ) -> None:
-    """The entry of an HTTP process: the app, its engines reached over their sockets."""
+    """The entry of an HTTP process: the app, its engines reached over their sockets;
+    it keeps the count of its open connections in slot `index` of `connections`."""
     from app.main import build_app
-    from app.server import TexelServer, uvicorn_config
+    from app.server import ConnectionShare, TexelServer, uvicorn_config
     from telemetry import setup_logging
 
     exit_with_parent(parent_pid)
@@ -149,7 +153,8 @@ def run_http_process(
     devices = [torch.device(name) for name, _ in engines]
     clients = [RemoteEngine(path, name) for name, path in engines]
     app = build_app(settings, request_models(settings, devices), clients)
-    server = TexelServer(uvicorn_config(app, settings), app.state.runtime)
+    share = ConnectionShare(connections, index)
+    server = TexelServer(uvicorn_config(app, settings, share), app.state.runtime)
     server.run(sockets=[reuseport_socket(*address)])
 
 
@@ -227,8 +232,14 @@ class Launcher:
             )
             for name, path in engines
         ]
+        # Each HTTP process's open connections, for `app.server.ConnectionShare`.
+        connections = multiprocessing.get_context("spawn").RawArray("i", self.plan.http_processes)
         http = [
-            _Child(f"texel-http-{i}", run_http_process, (s, address, engines, os.getpid()))
+            _Child(
+                f"texel-http-{i}",
+                run_http_process,
+                (s, address, engines, os.getpid(), i, connections),
+            )
             for i in range(self.plan.http_processes)
         ]
         for signum in (signal.SIGTERM, signal.SIGINT):

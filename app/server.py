@@ -1,5 +1,6 @@
 """uvicorn as Texel runs it: its settings, bounds on what a client may send before the
-app sees a request, and a graceful drain on SIGTERM/SIGINT."""
+app sees a request, HTTP processes that keep their connections evenly shared, and a
+graceful drain on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -22,10 +23,14 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_HEADERS = 100
 
 
-def uvicorn_config(app, settings: Settings, **kwargs) -> uvicorn.Config:
+def uvicorn_config(
+    app, settings: Settings, share: ConnectionShare | None = None, **kwargs
+) -> uvicorn.Config:
     return uvicorn.Config(
         app,
-        http=functools.partial(BoundedHttpProtocol, head_timeout_s=settings.request_timeout_s),
+        http=functools.partial(
+            BoundedHttpProtocol, head_timeout_s=settings.request_timeout_s, share=share
+        ),
         log_config=None,
         timeout_keep_alive=settings.advanced.keep_alive_s,
         timeout_graceful_shutdown=int(settings.drain_timeout_s) + 5,
@@ -34,6 +39,46 @@ def uvicorn_config(app, settings: Settings, **kwargs) -> uvicorn.Config:
         limit_concurrency=settings.advanced.max_connections + 1,
         **kwargs,
     )
+
+
+class ConnectionShare:
+    """One HTTP process's part of the connections that all of them hold, in a table
+    shared by every HTTP process (a slot each: the connections it has open).
+
+    The kernel places each new connection on one of the processes by a hash of its
+    addresses (SO_REUSEPORT), and a kept-alive connection stays where it landed, so a
+    few long-lived connections (a proxy's pool, a closed loop's clients) divide unevenly
+    and stay so: the busiest process queues its requests while others idle. A process
+    holding more than its share answers its next request on one of them with
+    `Connection: close`; the client opens a new connection, which the kernel places
+    again. The share allows an eighth over the even split (at least one connection),
+    and connections already told to close are not counted against it twice.
+    """
+
+    def __init__(self, table, index: int) -> None:
+        self.table = table  # multiprocessing.RawArray("i", processes)
+        self.index = index
+        self.open = 0
+        self.leaving = 0
+        table[index] = 0
+
+    def opened(self) -> None:
+        self.open += 1
+        self.table[self.index] = self.open
+
+    def closed(self, leaving: bool) -> None:
+        self.open -= 1
+        self.leaving -= leaving
+        self.table[self.index] = self.open
+
+    def over(self) -> bool:
+        """Whether one of this process's connections should go: True also counts it
+        as leaving."""
+        even = sum(self.table) / len(self.table)
+        if self.open - self.leaving <= even + max(1.0, even / 8):
+            return False
+        self.leaving += 1
+        return True
 
 
 class _Refused(Exception):
@@ -46,9 +91,13 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     answered here, before the app sees the request; the bounds on the body are the
     app's (`app.http.BodySizeLimit`). Malformed HTTP is answered in JSON too."""
 
-    def __init__(self, *args, head_timeout_s: float, **kwargs) -> None:
+    def __init__(
+        self, *args, head_timeout_s: float, share: ConnectionShare | None = None, **kwargs
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.head_timeout_s = head_timeout_s
+        self.share = share
+        self._leaving = False  # told to close after its response (`ConnectionShare`)
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
         self._head_fields = 0
@@ -56,6 +105,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        if self.share is not None:
+            self.share.opened()
         # uvicorn arms its keep-alive timer only after a response; without this a
         # connection that never sends a request would stay open.
         self.timeout_keep_alive_task = self.loop.call_later(
@@ -64,6 +115,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._head_done()
+        if self.share is not None:
+            self.share.closed(self._leaving)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -88,6 +141,10 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._head_done()
         super().on_headers_complete()
+        share, cycle = self.share, self.cycle
+        if share is not None and cycle.keep_alive and not self._leaving and share.over():
+            self._leaving = True
+            cycle.keep_alive = False  # uvicorn sends `Connection: close`, then closes
 
     def send_400_response(self, msg: str) -> None:
         self._refuse(self._refusal or malformed_http())
