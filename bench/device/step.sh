@@ -18,15 +18,17 @@ prepare() {
 }
 
 # summarize PATTERN: each step's log lines that match PATTERN (or its tail), then the
-# call's own log.
+# call's own log; then the logs go into one archive, $OUT/logs.tar.gz (at most 8 files
+# come back from a call: the records and the archive).
 summarize() {
     local log
-    for log in "$OUT"/0*.log; do
+    for log in "$OUT"/[0-9]*.log; do
         echo "##### $(basename "$log")"
         grep -E "$1" "$log" | cut -c1-300
         ((PIPESTATUS[0] == 0)) || tail -5 "$log"
     done
     cat "$L"
+    (cd "$OUT" && tar czf logs.tar.gz ./*.log && rm -f ./*.log)
 }
 
 # step NAME CAP NEED COMMAND...: run COMMAND for at most CAP seconds and never past END;
