@@ -28,23 +28,16 @@ variant() {  # share | off
     fi
 }
 i=0
-for pass in 1 2; do
-    for which in share off; do
-        [[ $pass == 2 ]] && which=$([[ $which == share ]] && echo off || echo share)
+alternate() {  # alternate LABEL CAP NEED COMPARE-ARGS...: share, off, off, share
+    local label=$1 cap=$2 need=$3 which
+    shift 3
+    for which in share off off share; do
         variant $which
         i=$((i + 1))
-        TEXEL_COMMIT=$COMMIT-$which step "$i-$which-batch128" 80 60 \
-            $COMPARE --concurrency 128,256 --rates 1400
+        TEXEL_COMMIT=$COMMIT-$which step "$i-$which-$label" "$cap" "$need" $COMPARE "$@"
     done
-done
-for pass in 1 2; do
-    for which in share off; do
-        [[ $pass == 2 ]] && which=$([[ $which == share ]] && echo off || echo share)
-        variant $which
-        i=$((i + 1))
-        TEXEL_COMMIT=$COMMIT-$which step "$i-$which-batch256" 50 40 \
-            $COMPARE --concurrency 256 --max-batch-size 256
-    done
-done
+}
+alternate batch128 80 60 --concurrency 128,256 --rates 1400
+alternate batch256 50 40 --concurrency 256 --max-batch-size 256
 cp /tmp/launcher.py $FILE
 summarize '^\||ready on|Error|error'
