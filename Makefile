@@ -19,14 +19,11 @@ endif
 
 install: $(STAMP)
 
-# --no-compile: Python compiles the modules a process imports when it first imports
-# them, a fraction of torch's and transformers' thousands; the install itself then
-# takes a third of the time.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet --no-compile -e ".[dev]"
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
 run: install
