@@ -19,6 +19,9 @@ endif
 
 install: $(STAMP)
 
+# pip compiles every module it installs; keep it so: where PYTHONDONTWRITEBYTECODE is
+# set (CI's machine), nothing compiled at import time is kept, and every server process
+# the tests start would compile torch again.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
