@@ -142,7 +142,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._head_done()
         super().on_headers_complete()
         share, cycle = self.share, self.cycle
-        if share is not None and cycle.keep_alive and not self._leaving and share.over():
+        # Not with pipelined requests waiting behind this one: they would go unanswered.
+        quiet = not self.pipeline and cycle.keep_alive and not self._leaving
+        if share is not None and quiet and share.over():
             self._leaving = True
             cycle.keep_alive = False  # uvicorn sends `Connection: close`, then closes
 
