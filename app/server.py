@@ -141,12 +141,12 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._head_done()
         super().on_headers_complete()
-        share, cycle = self.share, self.cycle
+        if self.share is None or self._leaving or not self.cycle.keep_alive:
+            return
         # Not with pipelined requests waiting behind this one: they would go unanswered.
-        quiet = not self.pipeline and cycle.keep_alive and not self._leaving
-        if share is not None and quiet and share.over():
+        if not self.pipeline and self.share.over():
             self._leaving = True
-            cycle.keep_alive = False  # uvicorn sends `Connection: close`, then closes
+            self.cycle.keep_alive = False  # uvicorn sends `Connection: close`, then closes
 
     def send_400_response(self, msg: str) -> None:
         self._refuse(self._refusal or malformed_http())
