@@ -81,8 +81,8 @@ def _top_level_splits(tokens: list[str]) -> list[int]:
     return splits
 
 
-# Formulas at least this long are "long" for `FormulaComposer.long_share`: on the dev
-# split, exact match falls below a third from here on (training/formula/NOTES.md).
+# Formulas at least this long are "long" for `FormulaComposer.long_share`: where exact
+# match on the dev split falls off (training/formula/NOTES.md, run 22 by length).
 LONG_TOKENS = 60
 
 
