@@ -71,6 +71,11 @@ class FormulaAdvanced(BaseModel):
         description="With the static decoder, new requests join a running decode and each "
         "answer returns as soon as its own formula ends.",
     )
+    batch_invariant: bool = Field(
+        False,
+        description="On GPUs, every decoding step and every encoding runs one batch shape, "
+        "so an answer never depends on what else was batched with it.",
+    )
     num_beams: int = Field(1, ge=1, le=16, description="1 is greedy decoding.")
     max_new_tokens: int | None = Field(
         None, ge=1, description="Longest output; default from the model's generation config."
@@ -113,6 +118,7 @@ class FormulaSettings(ModelSettings):
             max_pixels=settings.max_image_pixels,
             decoder=a.decoder,
             continuous=a.continuous,
+            batch_invariant=a.batch_invariant,
         )
 
     def batch_size(self, devices: list[torch.device]) -> int:

@@ -97,6 +97,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--decoder", default="auto", help="the served decoder setting")
+    parser.add_argument(
+        "--batch-invariant", action="store_true", help="the served batch_invariant setting"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -104,7 +107,9 @@ def main() -> None:
     images = formula_images(args.data, args.images)
     recognizers = {}
     for label, decoder in (("served", args.decoder), ("generate", "generate")):
-        recognizer = FormulaRecognizer(args.model, [device], decoder=decoder)
+        recognizer = FormulaRecognizer(
+            args.model, [device], decoder=decoder, batch_invariant=args.batch_invariant
+        )
         recognizer.open()
         recognizer.load(device)
         recognizer.warmup(device, args.batch_size)
@@ -115,6 +120,7 @@ def main() -> None:
         "scenario": "formula-equivalence",
         "device": str(device),
         "gpu": gpu_name(),
+        "batch_invariant": args.batch_invariant,
         "commit": commit(),
         "command": "python -m bench.equivalence " + " ".join(sys.argv[1:]),
     }

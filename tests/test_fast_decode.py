@@ -382,6 +382,35 @@ def test_encoder_rows_padded_to_a_batch_bucket_decode_the_same(tiny_model_dir) -
         assert width >= row.shape[1]
 
 
+def test_batch_invariance_runs_one_step_shape_and_one_encoder_shape(tiny_model_dir) -> None:
+    """With batch invariance every step runs all the slots and every encoding
+    ENCODER_ROWS rows (a larger group in chunks, the last one padded), and the rows'
+    tokens are those of the plain decoder."""
+    from transformers import VisionEncoderDecoderModel
+
+    from models.formula.fast_decode import ENCODER_ROWS
+
+    model = VisionEncoderDecoderModel.from_pretrained(tiny_model_dir).eval()
+    groups = [_pixels(ENCODER_ROWS + 3, 256, seed=3), _pixels(2, 128, seed=4)]
+    plain, invariant = (
+        StaticGreedyDecoder(
+            model,
+            max_batch_size=16,
+            max_new_tokens=MAX_NEW_TOKENS,
+            max_source_len=TINY_SOURCE_LEN,
+            batch_invariant=flag,
+        )
+        for flag in (False, True)
+    )
+    encoded, stepped = [], []
+    encode, step = invariant._encode, invariant._step
+    invariant._encode = lambda pixels: encoded.append(pixels.shape[0]) or encode(pixels)
+    invariant._step = lambda rows: stepped.append(rows) or step(rows)
+    assert torch.equal(invariant.decode(groups).tokens, plain.decode(groups).tokens)
+    assert encoded == [ENCODER_ROWS] * 3  # 8 + 3 (padded) rows of one width, 2 (padded)
+    assert stepped and set(stepped) == {16}
+
+
 def test_pixels_staged_in_an_upload_buffer_match_the_plain_path(tiny_model_dir) -> None:
     """On CUDA the strips of each width group are padded into consecutive slices of one
     pinned buffer and copied asynchronously; the values must be those of the plain path."""

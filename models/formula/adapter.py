@@ -137,6 +137,7 @@ class FormulaRecognizer(Model):
         max_pixels: int = 16_000_000,
         decoder: str = "auto",
         continuous: bool = True,
+        batch_invariant: bool = False,
     ) -> None:
         super().__init__(source, model_name(source, name))
         self.devices = devices
@@ -147,6 +148,7 @@ class FormulaRecognizer(Model):
         self.max_pixels = max_pixels
         self.decoder_setting = decoder
         self.continuous = continuous
+        self.batch_invariant = batch_invariant
         self.spec: FormulaImageSpec | None = None
         self.tokenizer = None
         self._models: dict[str, VisionEncoderDecoderModel] = {}
@@ -317,6 +319,7 @@ class FormulaRecognizer(Model):
             max_batch_size=max_batch_size,
             max_new_tokens=self.max_new_tokens,
             max_source_len=source_len,
+            batch_invariant=self.batch_invariant and model.device.type == "cuda",
         )
         # Captures every batch size's CUDA graph, and the encoder's for every width.
         decoder.warmup([(pixels.shape[1], pixels.shape[2], width) for width in widths])

@@ -89,6 +89,8 @@ logger = logging.getLogger(__name__)
 
 # Steps between two host synchronizations (early-exit checks).
 CHECK_EVERY = 8
+# Rows of every encoding with batch invariance (`StaticGreedyDecoder(batch_invariant=True)`).
+ENCODER_ROWS = 8
 
 # Generation settings that add logits processors, with their neutral values:
 # with any other value greedy decoding is no longer a plain argmax.
@@ -159,6 +161,7 @@ class StaticGreedyDecoder:
         use_cuda_graphs: bool | None = None,
         steps_per_run: int | None = None,
         pad_encoder_rows: bool | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         if not self.supports(model):
             raise ValueError("StaticGreedyDecoder supports TrOCR-decoded models only")
@@ -198,9 +201,21 @@ class StaticGreedyDecoder:
         self.steps_per_check = CHECK_EVERY if self.device.type == "cuda" else self.steps_per_run
         # Encoder inputs padded to a batch bucket (few shapes, one graph each); on a
         # CPU there is no per-shape cost and padded rows would be real work.
-        self.pad_encoder_rows = (
+        # Batch invariance: a row's answer must not depend on what else runs. On a GPU,
+        # products of another row count run other kernels, which sum in another order,
+        # and a near tie between two tokens can flip. So every step runs one shape, all
+        # the slots, and every encoding one shape, ENCODER_ROWS rows (a larger group in
+        # chunks). (A CPU's eager steps give a row the same answer in any batch as they
+        # are; the adapter asks for this on GPUs only.)
+        self.batch_invariant = batch_invariant
+        self.pad_encoder_rows = batch_invariant or (
             self.device.type == "cuda" if pad_encoder_rows is None else pad_encoder_rows
         )
+        if batch_invariant:
+            self.step_buckets = [max_batch_size]
+            self.encoder_buckets = [min(ENCODER_ROWS, max_batch_size)]
+        else:
+            self.step_buckets = self.encoder_buckets = _batch_buckets(max_batch_size)
 
         generation = model.generation_config
         start = generation.decoder_start_token_id
@@ -295,11 +310,11 @@ class StaticGreedyDecoder:
         if not self.use_cuda_graphs:
             self._step(1)
             return
-        for bucket in sorted(_batch_buckets(self.max_batch_size), reverse=True):
+        for bucket in sorted(self.step_buckets, reverse=True):
             self._runner(bucket)
         shapes = sorted(set(input_shapes), key=lambda shape: -math.prod(shape))
         for shape in shapes:
-            for rows in sorted(_batch_buckets(self.max_batch_size), reverse=True):
+            for rows in sorted(self.encoder_buckets, reverse=True):
                 key = (rows, *shape)
                 if key not in self._encoder_graphs:
                     self._encoder_graphs[key] = self._capture_encoder(key)
@@ -399,9 +414,10 @@ class StaticGreedyDecoder:
         highest, which idle)."""
         if not self._live:
             return
-        # Eagerly, no padding rows; a graph per batch bucket otherwise.
+        # Eagerly, no padding rows (but with batch invariance); a graph per bucket otherwise.
         rows = max(self._live) + 1
-        bucket = self._bucket_of(rows) if self.use_cuda_graphs else rows
+        padded = self.use_cuda_graphs or self.batch_invariant
+        bucket = self._bucket_of(rows) if padded else rows
         run = self._runner(bucket)  # captures first if warmup() did not
         for _ in range(self.steps_per_check // self.steps_per_run):
             run()
@@ -470,9 +486,9 @@ class StaticGreedyDecoder:
 
     # -- per batch -----------------------------------------------------------
 
-    def _bucket_of(self, rows: int) -> int:
-        """The smallest batch bucket holding `rows` rows."""
-        return next(b for b in _batch_buckets(self.max_batch_size) if b >= rows)
+    def _bucket_of(self, rows: int, buckets: list[int] | None = None) -> int:
+        """The smallest step bucket (or of `buckets`) holding `rows` rows."""
+        return next(b for b in buckets or self.step_buckets if b >= rows)
 
     def _index(self, slots: list[int]) -> torch.Tensor:
         """`slots` as an index tensor on the device, without waiting for queued work (a
@@ -529,7 +545,12 @@ class StaticGreedyDecoder:
     def _load_source(self, pixel_values: torch.Tensor, slots: list[int]) -> None:
         """Encode rows into `slots`: their cross-attention K/V and source mask."""
         count = pixel_values.shape[0]
-        padded = self._bucket_of(count) if self.pad_encoder_rows else count
+        if count > self.encoder_buckets[-1]:  # batch invariance: in chunks of one shape
+            chunk = self.encoder_buckets[-1]
+            for start in range(0, count, chunk):
+                self._load_source(pixel_values[start : start + chunk], slots[start : start + chunk])
+            return
+        padded = self._bucket_of(count, self.encoder_buckets) if self.pad_encoder_rows else count
         graph = self._encoder_graphs.get((padded, *pixel_values.shape[1:]))
         if graph is not None:
             kv = graph.run(pixel_values)
