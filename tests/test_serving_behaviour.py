@@ -1,9 +1,9 @@
 """Overload, deadlines, disconnects, readiness, shutdown, auth and CORS on real servers.
 
 A server costs seconds of CPU to start, so tests whose settings agree share one: overload
-and shutdown (the shutdown test, last, stops it); the two deadline tests; API keys, CORS
-and JSON logs (the logs test, last, stops it). Each test still checks only its own
-behaviour, on requests of its own."""
+and shutdown (the shutdown test, last, stops it); the two deadline tests and a model
+that cannot load; API keys, CORS and JSON logs (the logs test, last, stops it). Each
+test still sends its own requests and checks only its own behaviour."""
 
 from __future__ import annotations
 
@@ -39,18 +39,25 @@ def one_at_a_time(tiny_env):
 
 
 @pytest.fixture(scope="module")
-def deadlines(tiny_env):
-    """Requests have 2 s; one image at a time, of up to 1,000 steps."""
+def deadlines(tiny_env, tmp_path_factory):
+    """Requests have 2 s; one image at a time, of up to 1,000 steps. The formula model's
+    files are missing: it fails to load, and the server is never ready."""
+    missing = tmp_path_factory.mktemp("models") / "missing"
     server = ServerProcess(
         {
             **tiny_env,
+            "TEXEL_FORMULA__MODEL": str(missing),
             "TEXEL_REQUEST_TIMEOUT_S": "2",
             "TEXEL_IMAGE__MAX_STEPS": "1000",
             "TEXEL_IMAGE__MAX_BATCH_SIZE": "1",
-        }
+        },
+        wait_ready=False,
     )
-    yield server
-    server.stop(signal.SIGKILL)
+    try:
+        wait_for(lambda: httpx.get(server.url + "/readyz").json()["models"]["image"] == "ready")
+        yield server
+    finally:
+        server.stop(signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +174,8 @@ def test_a_client_that_disconnects_frees_its_queue_slot(start_server):
     running.join()
 
 
-def test_readyz_is_503_and_inference_503_when_a_model_cannot_load(start_server, tmp_path):
-    server = start_server(wait_ready=False, TEXEL_FORMULA__MODEL=str(tmp_path / "missing"))
+def test_readyz_is_503_and_inference_503_when_a_model_cannot_load(deadlines):
+    server = deadlines
     wait_for(lambda: httpx.get(server.url + "/readyz").json()["models"]["formula"] == "failed")
     ready = httpx.get(server.url + "/readyz")
     assert ready.status_code == 503
