@@ -151,10 +151,12 @@ def otlp_sink(on_request=None) -> str:
 
 
 @contextlib.contextmanager
-def serving_in_thread(app, ready_timeout: float = 120) -> Iterator[str]:
+def serving_in_thread(
+    app, ready_timeout: float = 120, ready_path: str = "/readyz"
+) -> Iterator[str]:
     """An ASGI app (the one-process app: its engine inside) on a free port, served by
     uvicorn in a thread of this process, so a test can reach into it (its spans); its URL
-    once /readyz answers 200."""
+    once `ready_path` answers 200 (/livez for an app with no model to be ready)."""
     import uvicorn
 
     port = free_port()
@@ -165,7 +167,7 @@ def serving_in_thread(app, ready_timeout: float = 120) -> Iterator[str]:
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/readyz").status_code == 200:
+            if httpx.get(url + ready_path).status_code == 200:
                 break
         time.sleep(0.1)
     try:

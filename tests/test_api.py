@@ -49,19 +49,31 @@ def test_recognize_says_how_sure_it_is_and_nothing_for_a_picture_without_ink(ser
 
 
 def test_a_model_whose_scores_are_not_numbers_still_answers_without_a_confidence(
-    tiny_models, tmp_path, start_server
+    tiny_models, tmp_path
 ):
     """A checkpoint that overflows (NaN scores, as a half-precision model can) still gets
     its answer out: JSON has no NaN, so the confidence is null, and the confidence
-    histogram keeps counting real numbers only."""
+    histogram keeps counting real numbers only. (The one-process app on a socket in this
+    process: what is checked is the app's, and a server process costs seconds to start.)"""
+    from app.launcher import single_process_app
+    from app.settings import Settings
+    from tests.server import serving_in_thread
+
     model = tmp_path / "formula-nan"
     shutil.copytree(tiny_models["formula"], model)
     weights = safetensors.torch.load_file(str(model / "model.safetensors"))
     norms = sorted(k for k in weights if k.endswith("final_layer_norm.bias") and "decoder" in k)
     weights[norms[-1]].fill_(float("nan"))
     safetensors.torch.save_file(weights, str(model / "model.safetensors"))
-    server = start_server(TEXEL_FORMULA__MODEL=str(model), TEXEL_IMAGE__ENABLED="false")
-    with server.client() as client:
+    settings = Settings(
+        device="cpu",
+        formula={"model": str(model)},
+        image={"enabled": False, "model": str(tiny_models["image"])},
+    )
+    with (
+        serving_in_thread(single_process_app(settings)) as url,
+        httpx.Client(base_url=url, timeout=60) as client,
+    ):
         read = client.post("/recognize", files={"image": ("f.png", formula_png(), "image/png")})
         metrics = client.get("/metrics").text
     assert read.status_code == 200, read.text

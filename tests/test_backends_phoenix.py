@@ -31,7 +31,9 @@ pytestmark = pytest.mark.timeout(1200)
 
 
 @pytest.fixture(scope="module")
-def phoenix(tmp_path_factory):
+def phoenix_starting(tmp_path_factory):
+    """Phoenix, started and not yet answering: it takes seconds of one core to start,
+    as Texel does, so `texel` starts meanwhile and `phoenix` waits for both."""
     venv = ensure_backend("phoenix.sh")
     workdir = tmp_path_factory.mktemp("phoenix")
     port = free_port()
@@ -46,12 +48,16 @@ def phoenix(tmp_path_factory):
     )
     env.pop("PYTHONPATH", None)
     proc = BackgroundProcess([str(venv / "bin" / "phoenix"), "serve"], workdir / "phoenix.log", env)
-    url = f"http://127.0.0.1:{port}"
     try:
-        proc.wait_http(url + "/healthz", timeout=180)
-        yield PhoenixApi(url, proc)
+        yield PhoenixApi(f"http://127.0.0.1:{port}", proc)
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def phoenix(phoenix_starting, texel):
+    phoenix_starting.process.wait_http(phoenix_starting.url + "/healthz", timeout=180)
+    return phoenix_starting
 
 
 class PhoenixApi:
@@ -86,12 +92,12 @@ class PhoenixApi:
 
 
 @pytest.fixture(scope="module")
-def texel(tiny_env, phoenix):
+def texel(tiny_env, phoenix_starting):
     proc = ServerProcess(
         {
             **tiny_env,
             "OTEL_SERVICE_NAME": "texel-test",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": phoenix.url,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": phoenix_starting.url,
             "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
             "OTEL_TRACES_SAMPLER": "parentbased_always_on",
             "OTEL_BSP_SCHEDULE_DELAY": "200",

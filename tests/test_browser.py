@@ -234,16 +234,23 @@ def test_a_picture_over_the_upload_limit_says_it_is_too_large(tab):
     expect(error).to_contain_text("413")
 
 
-def test_an_api_key_is_asked_for_after_a_401_kept_and_sent_as_bearer(browser, start_server):
+def test_an_api_key_is_asked_for_after_a_401_kept_and_sent_as_bearer(browser, tiny_models):
+    """On the one-process app of the settings, in a thread of this process: what the page
+    meets is the app's answers, and a server process would spend seconds importing."""
     from playwright.sync_api import expect
 
-    keyed = start_server(
-        wait_ready=False,
-        TEXEL_API_KEYS="sesame",
-        TEXEL_FORMULA__ENABLED="false",
-        TEXEL_IMAGE__ENABLED="false",
+    from app.launcher import single_process_app
+    from app.settings import Settings
+    from tests.server import serving_in_thread
+
+    settings = Settings(
+        device="cpu",
+        api_keys=["sesame"],
+        formula={"enabled": False, "model": str(tiny_models["formula"])},
+        image={"enabled": False, "model": str(tiny_models["image"])},
     )
-    with open_tab(browser, keyed.url) as tab:
+    app = single_process_app(settings)  # no model: never ready, live at once
+    with serving_in_thread(app, ready_path="/livez") as url, open_tab(browser, url) as tab:
         page = tab.page
         tab.open()
         assert page.locator("#key-section").is_hidden()

@@ -1,4 +1,9 @@
-"""Overload, deadlines, disconnects, readiness, shutdown, auth and CORS, each on its own server."""
+"""Overload, deadlines, disconnects, readiness, shutdown, auth and CORS on real servers.
+
+A server costs seconds of CPU to start, so tests whose settings agree share one: overload
+and shutdown (the shutdown test, last, stops it); the two deadline tests and a model
+that cannot load; API keys, CORS and JSON logs (the logs test, last, stops it). Each
+test still sends its own requests and checks only its own behaviour."""
 
 from __future__ import annotations
 
@@ -10,14 +15,69 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.conftest import formula_png, wait_for
+from tests.server import ServerProcess
 
 SLOW = {"prompt": "a slow one", "num_inference_steps": 40, "seed": 1}
 
 
-def test_overload_gets_429_with_retry_after_and_every_accepted_request_succeeds(start_server):
-    server = start_server(TEXEL_IMAGE__MAX_BATCH_SIZE="1", TEXEL_IMAGE__MAX_QUEUE="2")
+@pytest.fixture(scope="module")
+def one_at_a_time(tiny_env):
+    """One image at a time and a queue of two; shutdown waits 1.5 s for requests in flight."""
+    server = ServerProcess(
+        {
+            **tiny_env,
+            "TEXEL_IMAGE__MAX_BATCH_SIZE": "1",
+            "TEXEL_IMAGE__MAX_QUEUE": "2",
+            "TEXEL_SHUTDOWN_GRACE_S": "1.5",
+        }
+    )
+    yield server
+    server.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def deadlines(tiny_env, tmp_path_factory):
+    """Requests have 2 s; one image at a time, of up to 1,000 steps. The formula model's
+    files are missing: it fails to load, and the server is never ready."""
+    missing = tmp_path_factory.mktemp("models") / "missing"
+    server = ServerProcess(
+        {
+            **tiny_env,
+            "TEXEL_FORMULA__MODEL": str(missing),
+            "TEXEL_REQUEST_TIMEOUT_S": "2",
+            "TEXEL_IMAGE__MAX_STEPS": "1000",
+            "TEXEL_IMAGE__MAX_BATCH_SIZE": "1",
+        },
+        wait_ready=False,
+    )
+    try:
+        wait_for(lambda: httpx.get(server.url + "/readyz").json()["models"]["image"] == "ready")
+        yield server
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_env):
+    """API keys, one browser origin and JSON logs; the formula model only."""
+    server = ServerProcess(
+        {
+            **tiny_env,
+            "TEXEL_API_KEYS": "k1,k2",
+            "TEXEL_CORS_ORIGINS": "https://app.example",
+            "TEXEL_LOG_FORMAT": "json",
+            "TEXEL_IMAGE__ENABLED": "false",
+        }
+    )
+    yield server
+    server.stop(signal.SIGKILL)
+
+
+def test_overload_gets_429_with_retry_after_and_every_accepted_request_succeeds(one_at_a_time):
+    server = one_at_a_time
 
     def post(i):
         with server.client() as client:
@@ -37,29 +97,27 @@ def test_overload_gets_429_with_retry_after_and_every_accepted_request_succeeds(
     )
 
 
-def test_a_request_that_cannot_finish_in_time_is_refused_before_it_runs(start_server):
+def test_a_request_that_cannot_finish_in_time_is_refused_before_it_runs(deadlines):
     """Its predicted time (the image model's speed, measured at warm-up) is past the
     deadline: 422 at once, and the device stays free for the next request."""
-    server = start_server(TEXEL_REQUEST_TIMEOUT_S="1", TEXEL_IMAGE__MAX_STEPS="1000")
+    server = deadlines
     with server.client() as client:
         started = time.monotonic()
         response = client.post(
-            "/generate", json={"prompt": "never done", "num_inference_steps": 1000}
+            "/generate",
+            json={"prompt": "never done", "num_inference_steps": 1000, "num_images": 4},
         )
         assert response.status_code == 422
         error = response.json()["error"]
-        assert error["code"] == "invalid_parameter" and "longer than the 1 s" in error["message"]
+        assert error["code"] == "invalid_parameter" and "longer than the 2 s" in error["message"]
         quick = client.post("/generate", json={"prompt": "quick", "num_inference_steps": 2})
         assert quick.status_code == 200
         assert time.monotonic() - started < 5
 
 
-def test_an_admitted_request_that_runs_past_its_deadline_gets_504(start_server):
+def test_an_admitted_request_that_runs_past_its_deadline_gets_504(deadlines):
     """(That its work then stops at the next step: tests/test_image_adapter.py.)"""
-    server = start_server(
-        TEXEL_REQUEST_TIMEOUT_S="2", TEXEL_IMAGE__MAX_STEPS="1000",
-        TEXEL_IMAGE__MAX_BATCH_SIZE="1",
-    )  # fmt: skip
+    server = deadlines
     with server.client() as client:
         # How long a step takes here, from what the server predicts for 4,000 of them.
         probe = client.post(
@@ -116,8 +174,8 @@ def test_a_client_that_disconnects_frees_its_queue_slot(start_server):
     running.join()
 
 
-def test_readyz_is_503_and_inference_503_when_a_model_cannot_load(start_server, tmp_path):
-    server = start_server(wait_ready=False, TEXEL_FORMULA__MODEL=str(tmp_path / "missing"))
+def test_readyz_is_503_and_inference_503_when_a_model_cannot_load(deadlines):
+    server = deadlines
     wait_for(lambda: httpx.get(server.url + "/readyz").json()["models"]["formula"] == "failed")
     ready = httpx.get(server.url + "/readyz")
     assert ready.status_code == 503
@@ -129,8 +187,9 @@ def test_readyz_is_503_and_inference_503_when_a_model_cannot_load(start_server, 
     assert httpx.get(server.url + "/livez").status_code == 200
 
 
-def test_sigterm_drops_readiness_and_lets_in_flight_requests_finish(start_server):
-    server = start_server(TEXEL_SHUTDOWN_GRACE_S="1.5", TEXEL_IMAGE__MAX_BATCH_SIZE="1")
+# Last on its server: it stops it.
+def test_sigterm_drops_readiness_and_lets_in_flight_requests_finish(one_at_a_time):
+    server = one_at_a_time  # three in flight: one running, two queued
 
     def post(i):
         with server.client() as client:
@@ -151,8 +210,8 @@ def test_sigterm_drops_readiness_and_lets_in_flight_requests_finish(start_server
     assert "draining" in server.log()
 
 
-def test_api_keys_guard_inference_but_not_health_or_metrics(start_server):
-    server = start_server(TEXEL_API_KEYS="k1,k2")
+def test_api_keys_guard_inference_but_not_health_or_metrics(guarded):
+    server = guarded
     files = {"image": ("f.png", formula_png(), "image/png")}
     with server.client() as client:
         assert client.post("/recognize", files=files).status_code == 401
@@ -165,8 +224,8 @@ def test_api_keys_guard_inference_but_not_health_or_metrics(start_server):
             assert client.get(path).status_code == 200
 
 
-def test_cors_lets_configured_origins_call_the_api(start_server):
-    server = start_server(TEXEL_CORS_ORIGINS="https://app.example")
+def test_cors_lets_configured_origins_call_the_api(guarded):
+    server = guarded
     with server.client() as client:
         preflight = client.options(
             "/generate",
@@ -185,23 +244,28 @@ def test_cors_lets_configured_origins_call_the_api(start_server):
         assert "access-control-allow-origin" not in other.headers
 
 
-def test_json_logs_are_one_object_a_line_with_the_request_trace_id(start_server):
+# Last on its server: it stops it, to read the whole log.
+def test_json_logs_are_one_object_a_line_with_the_request_trace_id(guarded):
     import json
 
-    server = start_server(TEXEL_LOG_FORMAT="json", TEXEL_IMAGE__ENABLED="false")
+    server = guarded
     trace_id = "0af7651916cd43dd8448eb211c80319c"
     with server.client() as client:
         response = client.post(
             "/recognize",
             files={"image": ("f.png", formula_png(), "image/png")},
-            headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"},
+            headers={
+                "traceparent": f"00-{trace_id}-b7ad6b7169203331-01",
+                "Authorization": "Bearer k1",
+            },
         )
     assert response.status_code == 200
     server.stop()
     entries = [json.loads(line) for line in server.log(tail=10**7).splitlines() if line.strip()]
     assert all({"time", "level", "logger", "message"} <= set(e) for e in entries)
     access = [e for e in entries if "POST /recognize" in e["message"]]
-    assert access and access[0]["trace_id"] == trace_id and len(access[0]["span_id"]) == 16
+    # Its own request is the last to /recognize (the API key test's came before).
+    assert access and access[-1]["trace_id"] == trace_id and len(access[-1]["span_id"]) == 16
 
 
 def test_a_formulas_answer_does_not_queue_behind_preprocessing_in_the_http_process(tiny_models):
