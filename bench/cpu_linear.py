@@ -56,7 +56,8 @@ def step_weights(model) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
 
 
 def formats(weights) -> dict[str, Callable[[torch.Tensor], list[torch.Tensor]]]:
-    """Per format, a function running every product on rows `x` (float32 in and out)."""
+    """Per format, a function running every product on its rows (`x` maps an input
+    width to float32 rows of it; float32 out)."""
     bf16 = [(w.bfloat16(), None if b is None else b.bfloat16()) for w, b in weights]
     int8 = []
     for w, b in weights:
@@ -69,9 +70,11 @@ def formats(weights) -> dict[str, Callable[[torch.Tensor], list[torch.Tensor]]]:
         )
         int8.append(quantized)
     return {
-        "float32": lambda x: [F.linear(x, w, b) for w, b in weights],
-        "bfloat16": lambda x: [F.linear(x.bfloat16(), w, b).float() for w, b in bf16],
-        "int8 dynamic": lambda x: [q(x) for q in int8],
+        "float32": lambda x: [F.linear(x[w.shape[1]], w, b) for w, b in weights],
+        "bfloat16": lambda x: [F.linear(x[w.shape[1]].bfloat16(), w, b).float() for w, b in bf16],
+        "int8 dynamic": lambda x: [
+            q(x[w.shape[1]]) for q, (w, _) in zip(int8, weights, strict=True)
+        ],
     }
 
 
@@ -109,9 +112,11 @@ def main() -> None:
     print("|---|---|---:|---:|---:|")
     with torch.inference_mode():
         for label, weights, rows, repeats in cases:
-            x = torch.randn(
-                rows, weights[0][0].shape[1], generator=torch.Generator().manual_seed(0)
-            )
+            generator = torch.Generator().manual_seed(0)
+            x = {
+                width: torch.randn(rows, width, generator=generator)
+                for width in sorted({w.shape[1] for w, _ in weights})
+            }
             runs = formats(weights)
             times = {name: [] for name in runs}
             for _ in range(args.rounds):
