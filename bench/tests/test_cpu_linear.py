@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import VisionEncoderDecoderModel
 
 from bench.cpu_linear import formats, step_weights
 
 
+# torch's eager int8 quantization warns that it is deprecated (torchao succeeds it).
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
 def test_a_steps_products_chain_and_each_format_stays_near_float32(tiny_models):
     model = VisionEncoderDecoderModel.from_pretrained(tiny_models["formula"]).eval()
     weights = step_weights(model)
