@@ -25,13 +25,12 @@ SLOW = {"prompt": "a slow one", "num_inference_steps": 40, "seed": 1}
 
 @pytest.fixture(scope="module")
 def one_at_a_time(tiny_env):
-    """One image at a time and a queue of two; shutdown waits 1.5 s for requests in flight."""
+    """One image at a time and a queue of two."""
     server = ServerProcess(
         {
             **tiny_env,
             "TEXEL_IMAGE__MAX_BATCH_SIZE": "1",
             "TEXEL_IMAGE__MAX_QUEUE": "2",
-            "TEXEL_SHUTDOWN_GRACE_S": "1.5",
         }
     )
     yield server
@@ -187,9 +186,10 @@ def test_readyz_is_503_and_inference_503_when_a_model_cannot_load(deadlines):
     assert httpx.get(server.url + "/livez").status_code == 200
 
 
-# Last on its server: it stops it.
-def test_sigterm_drops_readiness_and_lets_in_flight_requests_finish(one_at_a_time):
-    server = one_at_a_time  # three in flight: one running, two queued
+# A server of its own: it stops it, and the default queue takes all three requests
+# whatever order they reach it in.
+def test_sigterm_drops_readiness_and_lets_in_flight_requests_finish(start_server):
+    server = start_server(TEXEL_SHUTDOWN_GRACE_S="1.5", TEXEL_IMAGE__MAX_BATCH_SIZE="1")
 
     def post(i):
         with server.client() as client:
