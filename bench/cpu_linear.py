@@ -7,9 +7,10 @@ the decoder (self-attention Q, K and V fused, its output, cross-attention query 
 output, the two feed-forward layers; each layer in turn) and the output projection. On
 a CPU without bf16 matrix instructions the served model runs in float32; this measures
 the same products, with the shipped model's weights, as float32, as bfloat16 and as int8
-(torch's dynamic quantization, weights int8 per channel, rows quantized per call), for
-one row (a lone request) and for 16 (a full CPU batch), and the encoder's feed-forward
-layer for the patches of a median formula. Rounds alternate the formats; the table has
+(torch's dynamic quantization, weights int8 per tensor, rows quantized per call), for
+one row (a lone request) and for 16 (a full CPU batch), and a product of the encoder's
+feed-forward shape (256 to 1,024, the first decoder layer's fc1 weights) for the patches
+of a median formula. Rounds alternate the formats; the table has
 each one's median, and its largest difference from float32 relative to the output's
 largest value. Appends a record per row of the table to `--out` if given.
 """
@@ -99,7 +100,7 @@ def main() -> None:
 
     model = VisionEncoderDecoderModel.from_pretrained(args.model, dtype=torch.float32).eval()
     step = step_weights(model)
-    fc = [(w, b) for w, b in step if w.shape == step[4][0].shape][:1]  # fc1: 256 -> 1024
+    fc = [step[4]]  # the first layer's fc1 (256 -> 1024): the encoder's feed-forward shape
     cases = [
         ("decoding step, 1 row", step, 1, 200),
         ("decoding step, 16 rows", step, 16, 100),

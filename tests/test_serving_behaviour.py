@@ -1,9 +1,9 @@
 """Overload, deadlines, disconnects, readiness, shutdown, auth and CORS on real servers.
 
-A server costs seconds of CPU to start, so tests whose settings agree share one: overload
-and shutdown (the shutdown test, last, stops it); the two deadline tests and a model
-that cannot load; API keys, CORS and JSON logs (the logs test, last, stops it). Each
-test still sends its own requests and checks only its own behaviour."""
+A server costs seconds of CPU to start, so tests whose settings agree share one: the two
+deadline tests and a model that cannot load; API keys, CORS and JSON logs (the logs test,
+last, stops it). Each test still sends its own requests and checks only its own
+behaviour."""
 
 from __future__ import annotations
 
@@ -21,20 +21,6 @@ from tests.conftest import formula_png, wait_for
 from tests.server import ServerProcess
 
 SLOW = {"prompt": "a slow one", "num_inference_steps": 40, "seed": 1}
-
-
-@pytest.fixture(scope="module")
-def one_at_a_time(tiny_env):
-    """One image at a time and a queue of two."""
-    server = ServerProcess(
-        {
-            **tiny_env,
-            "TEXEL_IMAGE__MAX_BATCH_SIZE": "1",
-            "TEXEL_IMAGE__MAX_QUEUE": "2",
-        }
-    )
-    yield server
-    server.stop(signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +61,8 @@ def guarded(tiny_env):
     server.stop(signal.SIGKILL)
 
 
-def test_overload_gets_429_with_retry_after_and_every_accepted_request_succeeds(one_at_a_time):
-    server = one_at_a_time
+def test_overload_gets_429_with_retry_after_and_every_accepted_request_succeeds(start_server):
+    server = start_server(TEXEL_IMAGE__MAX_BATCH_SIZE="1", TEXEL_IMAGE__MAX_QUEUE="2")
 
     def post(i):
         with server.client() as client:
