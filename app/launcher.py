@@ -61,7 +61,7 @@ class ProcessPlan:
         http = settings.http_processes
         if http is None:
             on_gpu = any(device.type == "cuda" for device in devices)
-            http = max(1, min(8, (cores or usable_cores()) // 2)) if on_gpu else 1
+            http = max(1, min(12, (cores or usable_cores()) * 3 // 4)) if on_gpu else 1
         return cls(devices, http)
 
 

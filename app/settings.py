@@ -259,7 +259,7 @@ class Settings(BaseSettings):
         ge=1,
         le=64,
         description="Identical processes answering HTTP on the port; unset: 1 on a CPU, "
-        "min(8, cores / 2) with GPUs.",
+        "min(12, 3/4 of the cores) with GPUs.",
     )
     formula: FormulaSettings = Field(default_factory=FormulaSettings)
     image: ImageSettings = Field(default_factory=ImageSettings)

@@ -63,8 +63,10 @@ def test_a_second_http_process_on_a_cpu_puts_the_engine_in_a_process_of_its_own(
     assert not plan.single_process
 
 
-@pytest.mark.parametrize(("cores", "http"), [(1, 1), (2, 1), (6, 3), (16, 8), (64, 8)])
-def test_with_gpus_there_are_min_8_cores_over_2_http_processes(monkeypatch, cores, http):
+@pytest.mark.parametrize(("cores", "http"), [(1, 1), (2, 1), (6, 4), (8, 6), (16, 12), (64, 12)])
+def test_with_gpus_there_are_min_12_three_quarters_of_the_cores_http_processes(
+    monkeypatch, cores, http
+):
     # No GPU on CI: the devices "cuda" resolves to are given.
     monkeypatch.setattr(launcher, "resolve_devices", lambda setting: GPUS)
     plan = ProcessPlan.of(Settings(device="cuda"), cores=cores)
