@@ -374,6 +374,7 @@ def record(args, server: str, concurrency, result: LoadResult | None, **extra) -
     if result is not None:
         summary = result.summary()
         base.update(
+            client=summary["client"],
             throughput_rps=summary["throughput_rps"],
             p50_ms=summary["p50_ms"],
             p95_ms=summary["p95_ms"],

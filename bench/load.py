@@ -1,11 +1,14 @@
 """A small HTTP load generator: closed-loop concurrency or open-loop Poisson arrivals.
 
-Works against any endpoint: a `Workload` says how to build the i-th request.
+Works against any endpoint: a `Workload` says how to build the i-th request. The clients
+are aiohttp's: they share a machine with the server in most benchmarks, and cost about a
+fifth of httpx's CPU per request (`python -m bench.client_cost`, bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
 import random
 import statistics
@@ -14,16 +17,39 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
+
+TIMEOUT = aiohttp.ClientTimeout(total=120)
+# Named in every record: before it, httpx clients left less CPU to a server on the same
+# machine (bench/RESULTS.md, thirteenth session).
+CLIENT = f"aiohttp {aiohttp.__version__}"
 
 
 @dataclass
 class Workload:
-    """Builds request i as keyword arguments for `httpx.AsyncClient.request`."""
+    """Builds request i as keyword arguments: `json` (a body to send as JSON) or `files`
+    (multipart fields, `{name: (filename, bytes, content type)}`)."""
 
     method: str
     path: str
     build: Callable[[int], dict]
+
+
+def _request_kwargs(built: dict) -> dict:
+    """aiohttp's keyword arguments for a `Workload`'s request."""
+    if "files" not in built:
+        return built
+    form = aiohttp.FormData()
+    for name, (filename, data, content_type) in built["files"].items():
+        form.add_field(name, data, filename=filename, content_type=content_type)
+    return {key: value for key, value in built.items() if key != "files"} | {"data": form}
+
+
+def _client(url: str) -> aiohttp.ClientSession:
+    """One client with one kept-alive connection of its own, as a browser tab has."""
+    return aiohttp.ClientSession(
+        base_url=url, timeout=TIMEOUT, connector=aiohttp.TCPConnector(limit=1)
+    )
 
 
 @dataclass
@@ -56,6 +82,7 @@ class LoadResult:
 
     def summary(self) -> dict:
         return {
+            "client": CLIENT,
             "mode": self.mode,
             "concurrency" if self.mode == "closed" else "rate_rps": self.level,
             "requests": sum(self.statuses.values()),
@@ -73,19 +100,24 @@ class LoadResult:
         }
 
 
-async def _one(client: httpx.AsyncClient, workload: Workload, i: int, result: LoadResult) -> None:
+async def _one(
+    client: aiohttp.ClientSession, workload: Workload, i: int, result: LoadResult
+) -> None:
     started = time.perf_counter()
     try:
-        response = await client.request(workload.method, workload.path, **workload.build(i))
-        status = response.status_code
-    except httpx.HTTPError as exc:
+        kwargs = _request_kwargs(workload.build(i))
+        async with client.request(workload.method, workload.path, **kwargs) as response:
+            status = response.status
+            body = await response.read()
+            json_body = response.content_type == "application/json"
+    except (aiohttp.ClientError, TimeoutError) as exc:
         result.statuses[type(exc).__name__] += 1
         return
     result.statuses[status] += 1
     if status == 200:
         result.latencies_s.append(time.perf_counter() - started)
-        if response.headers.get("content-type", "").startswith("application/json"):
-            size = response.json().get("batch_size")
+        if json_body:
+            size = json.loads(body).get("batch_size")
             if size:
                 result.batch_sizes.append(int(size))
 
@@ -96,22 +128,15 @@ async def closed_loop(
     """`concurrency` clients each send a request as soon as their previous one returns.
 
     Each client has an HTTP client and a kept-alive connection of its own, as each
-    browser does. One pool shared by all clients costs the client process more CPU per
-    request the more connections it holds (httpx's pool scans its connections and
-    waiting requests on every request): `python -m bench.client_cost` on the development
-    machine measured 3.5 ms of client CPU per request at 8 clients, 9.2 ms at 32 and
-    11.2 ms at 64 with a shared pool, against 3.5-3.6 ms at all three with a client
-    each (README, Benchmarks).
+    browser does (with httpx, one pool shared by all clients cost more CPU per request
+    the more connections it held: bench/HISTORY.md).
     """
-    clients = [
-        httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=1))
-        for _ in range(concurrency)
-    ]
+    clients = [_client(url) for _ in range(concurrency)]
     try:
         counter = iter(range(10**9))
         warm = LoadResult("closed", concurrency, warmup_s)
 
-        async def client_loop(client: httpx.AsyncClient, result: LoadResult, until: float):
+        async def client_loop(client: aiohttp.ClientSession, result: LoadResult, until: float):
             while time.perf_counter() < until:
                 await _one(client, workload, next(counter), result)
 
@@ -123,7 +148,7 @@ async def closed_loop(
         result.duration_s = time.perf_counter() - started
         return result
     finally:
-        await asyncio.gather(*(client.aclose() for client in clients))
+        await asyncio.gather(*(client.close() for client in clients))
 
 
 def closed_loop_processes(
@@ -173,14 +198,12 @@ async def open_loop(
     """
     rng = random.Random(seed)
     result = LoadResult("open", rate_rps, duration_s)
-    idle: list[httpx.AsyncClient] = []
-    opened: list[httpx.AsyncClient] = []
+    idle: list[aiohttp.ClientSession] = []
+    opened: list[aiohttp.ClientSession] = []
 
     async def one(i: int) -> None:
         if not idle:
-            opened.append(
-                httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=1))
-            )
+            opened.append(_client(url))
             idle.append(opened[-1])
         client = idle.pop()
         try:
@@ -201,5 +224,5 @@ async def open_loop(
         await asyncio.gather(*tasks)
         result.duration_s = time.perf_counter() - started
     finally:
-        await asyncio.gather(*(client.aclose() for client in opened))
+        await asyncio.gather(*(client.close() for client in opened))
     return result

@@ -24,7 +24,8 @@ download .whl transformers==5.24.0 fastapi starlette uvicorn httptools pydantic 
     opentelemetry-exporter-otlp-proto-common opentelemetry-proto \
     opentelemetry-semantic-conventions opentelemetry-instrumentation \
     opentelemetry-instrumentation-fastapi opentelemetry-instrumentation-asgi \
-    opentelemetry-util-http googleapis-common-protos asgiref litserve pyzmq py-spy msgspec
+    opentelemetry-util-http googleapis-common-protos asgiref litserve pyzmq py-spy msgspec \
+    aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl
 download .whlx diffusers==0.42.1 importlib_metadata
 mkdir -p .whlt && cp .whl/opentelemetry_api-*.whl .whl/opentelemetry_sdk-*.whl \
     .whl/opentelemetry_semantic_conventions-*.whl .whlx/importlib_metadata-*.whl .whlt/
