@@ -3,8 +3,8 @@
 # 2,000 formulas/s served at 256 in flight with p99 at most 300 ms and at least 80% of
 # the engine alone. The engine alone first (bench.compare engine-only, batches of at most
 # 256), then served loads at 256 in flight with batches of at most 256 and 12 HTTP
-# processes (the best plan on an H100 in the eleventh session, bench/RESULTS.md), three
-# times, the shipped 8 HTTP processes between them. Records in $OUT/2000.jsonl.
+# processes (the default since 600b15b), three times, 8 HTTP processes between them.
+# Records in $OUT/2000.jsonl; since fb04984 the clients are aiohttp's.
 #   carry: .whl .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: [CALL_S=S] bash bench/device/formula_2000.sh COMMIT
 COMMIT=${1:?usage: bash bench/device/formula_2000.sh COMMIT}
