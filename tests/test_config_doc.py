@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -85,3 +86,14 @@ def test_check_fails_on_a_stale_file_and_passes_on_a_fresh_one(tmp_path, capsys)
 
     reference.write_text(config_doc.render())
     assert config_doc.main(["--check", "--file", str(reference)]) == 0
+
+
+def test_the_readme_stays_short_and_names_only_real_settings():
+    """The README is a page (at most 8,000 bytes; the rest lives in docs/), and every
+    `TEXEL_*` variable it names is one the reference lists."""
+    readme = (ROOT / "README.md").read_bytes()
+    assert len(readme) <= 8000, f"README.md is {len(readme)} bytes; move detail to docs/"
+    reference = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`(TEXEL_[A-Z0-9_]+)", readme.decode("utf-8")))
+    assert named, "the README names no settings"
+    assert {name for name in named if f"`{name}`" not in reference} == set()
