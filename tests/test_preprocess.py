@@ -14,6 +14,7 @@ from models.formula.preprocess import (
     FormulaPreprocessor,
     _median_u8,
     _pieces,
+    _quantile_u8,
     bucket_width,
     decode_image,
     inside_frame,
@@ -264,13 +265,33 @@ def test_one_differing_pixel_keeps_a_picture_in_colour():
         assert _one_channel(Image.fromarray(pixels)) is None
 
 
-def test_median_of_8_bit_pixels_is_numpys_rounded_median():
+def _mostly_white(rng, shape, white: float) -> np.ndarray:
+    """Random 8-bit values, about this share of them 255 (white paper)."""
+    values = rng.integers(0, 256, shape, dtype=np.uint8)
+    values[rng.random(shape) < white] = 255
+    return values
+
+
+@pytest.mark.parametrize("white", [0.0, 0.45, 0.5, 0.55, 0.99, 1.0])
+def test_median_of_8_bit_pixels_is_numpys_rounded_median(white):
     rng = np.random.default_rng(3)
     for count in [1, 2, 3, 4, 7, 100, 1001]:
         for _ in range(20):
-            values = rng.integers(0, 256, (count, 3), dtype=np.uint8)
+            values = _mostly_white(rng, (count, 3), white)
             expected = np.median(values, axis=0).round().astype(np.uint8)
             assert np.array_equal(_median_u8(values), expected)
+
+
+@pytest.mark.parametrize("white", [0.0, 0.005, 0.01, 0.02, 0.45, 0.5, 0.55, 1.0])
+def test_a_quantile_of_mostly_white_values_is_its_histograms(white):
+    rng = np.random.default_rng(4)
+    for count in [1, 2, 3, 4, 7, 100, 199, 200, 201, 1001]:
+        for _ in range(20):
+            values = _mostly_white(rng, count, white)
+            cumulative = np.cumsum(np.bincount(values, minlength=256))
+            for q in (0.5, 0.99):
+                expected = int(np.searchsorted(cumulative, q * cumulative[-1]))
+                assert _quantile_u8(values, q) == expected, (count, q)
 
 
 def _formula_like() -> Image.Image:
@@ -397,6 +418,25 @@ def test_even_paper_is_left_as_it_is():
         assert local_paper(pixels[..., None], distance) is None, paper
 
 
+def test_uneven_paper_is_found_where_a_low_quantile_of_a_block_is_far():
+    from models.formula.preprocess import PAPER_QUANTILE, UNEVEN_PAPER, _blocks
+
+    rng = np.random.default_rng(5)
+    outcomes = set()
+    for near in (0.0, 0.08, 0.1, 0.12, 0.15, 1.0):  # the share of pixels near the median
+        for _ in range(20):
+            distance = rng.integers(UNEVEN_PAPER, 2 * UNEVEN_PAPER, (40, 70), dtype=np.uint8)
+            close = rng.random(distance.shape) < near
+            distance[close] = rng.integers(0, UNEVEN_PAPER, close.sum())
+            tiles = _blocks(distance)
+            low = int(PAPER_QUANTILE * (tiles.shape[2] - 1))
+            even = np.partition(tiles, low, axis=2)[:, :, low].max() < UNEVEN_PAPER
+            pixels = np.full((*distance.shape, 1), 255, dtype=np.uint8)
+            assert (local_paper(pixels, distance) is None) == even, near
+            outcomes.add(bool(even))
+    assert outcomes == {False, True}
+
+
 def test_a_picture_smaller_than_a_block_of_paper_is_read():
     image = _lit_unevenly(_formula_like()).resize((92, 12))
     assert prepare_strip(image, SPEC).shape[1] > 0
@@ -477,6 +517,24 @@ def test_glyph_height_follows_the_font_size_whatever_the_stroke_weight(font):
     for source in FORMULAS:
         per_em = [glyph_height(_mathtext(source, font, em)) / em for em in (15, 20, 30)]
         assert max(per_em) / min(per_em) < 1.15, (source, per_em)
+
+
+def test_the_glyph_height_is_numpys_median_of_the_glyph_heights():
+    from PIL import ImageDraw
+
+    from models.formula.preprocess import glyph_height, glyph_heights, stroke_width
+
+    counts = set()
+    for glyphs in range(3, 9):  # odd and even counts; heights 10, 13, 16, ... px
+        image = Image.new("L", (20 * glyphs + 20, 60), 255)
+        draw = ImageDraw.Draw(image)
+        for i in range(glyphs):
+            x = 10 + 20 * i
+            draw.rectangle((x, 5, x + 10, 5 + 10 + 3 * i), outline=0, width=2)
+        heights = glyph_heights(image, stroke_width(image))
+        counts.add(heights.size % 2)
+        assert glyph_height(image) == float(np.median(heights)), glyphs
+    assert counts == {0, 1}, "both an odd and an even number of glyphs"
 
 
 def test_a_light_font_drawn_twice_as_large_reaches_the_model_at_the_same_scale():

@@ -13,9 +13,11 @@ exactly what the server feeds it.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -236,20 +238,28 @@ def _one_channel(image: Image.Image) -> Image.Image | None:
 
 
 def _quantile_u8(values: np.ndarray, q: float) -> int:
-    """The `q` quantile of 8-bit values, from their histogram (no sort)."""
-    cumulative = np.cumsum(np.bincount(values.ravel(), minlength=256))
+    """The `q` quantile of 8-bit values, from their histogram (no sort). Where less than a
+    `q` share of them lie below 255 (white paper, black ink on it) it is 255: no histogram."""
+    values = values.ravel()
+    if values.size - np.count_nonzero(values == 255) < q * values.size:
+        return 255
+    cumulative = np.cumsum(np.bincount(values, minlength=256))
     return int(np.searchsorted(cumulative, q * cumulative[-1]))
 
 
 def _median_u8(values: np.ndarray) -> np.ndarray:
     """Per channel, the median of 8-bit pixels [N, C], rounded half to even: what
-    `np.median(values, axis=0).round()` gives, from histograms (no sort)."""
-    middle = np.array([(len(values) - 1) // 2, len(values) // 2])
+    `np.median(values, axis=0).round()` gives, from histograms (no sort). A channel too
+    white for its lower middle value to lie below 255 (white paper) needs no histogram."""
+    middle = [(len(values) - 1) // 2, len(values) // 2]
     out = np.empty(values.shape[1], dtype=np.uint8)
     for c in range(values.shape[1]):
+        if len(values) - np.count_nonzero(values[:, c] == 255) <= middle[0]:
+            out[c] = 255
+            continue
         cumulative = np.cumsum(np.bincount(values[:, c], minlength=256))
-        low, high = np.searchsorted(cumulative, middle, side="right")
-        out[c] = np.round((int(low) + int(high)) / 2)
+        low, high = np.searchsorted(cumulative, middle, side="right").tolist()
+        out[c] = round((low + high) / 2)  # Python's round, as NumPy's: half to even
     return out
 
 
@@ -281,9 +291,10 @@ def ink_on_paper(image: Image.Image) -> np.ndarray | None:
     step = _sample_step(height, width)
     sample = channels[::step, ::step]
     paper = [_quantile_u8(sample[:, :, c], 0.5) for c in range(channels.shape[2])]
-    local = local_paper(sample, _distance(sample, paper))
+    near = _distance(sample, paper)
+    local = local_paper(sample, near)
     if local is None:
-        distance = _distance(channels, paper)
+        distance = near if step == 1 else _distance(channels, paper)  # step 1: all of it
     else:
         distance = distance_from_paper_around(channels, local)
     strong = distance[::step, ::step]
@@ -295,9 +306,16 @@ def ink_on_paper(image: Image.Image) -> np.ndarray | None:
     level = max(float(_quantile_u8(strong, 0.99)), 2.0 * INK_MIN_CONTRAST)
     if level >= FULL_CONTRAST:  # ink the model knows as it is: left alone
         level = 255.0
-    # One lookup table maps each difference to its stretched gray.
+    return np.take(_stretch(level), distance)
+
+
+@functools.cache
+def _stretch(level: float) -> np.ndarray:
+    """The lookup table that maps each difference from the paper to its gray, `level` and
+    beyond to black (made once for each of the few levels there are)."""
     lut = np.clip(np.rint(255.0 - np.arange(256) * (255.0 / level)), 0, 255).astype(np.uint8)
-    return np.take(lut, distance)
+    lut.flags.writeable = False
+    return lut
 
 
 def on_its_card(channels: np.ndarray) -> np.ndarray | None:
@@ -316,7 +334,7 @@ def on_its_card(channels: np.ndarray) -> np.ndarray | None:
         + [channels[:, :2].reshape(-1, depth), channels[:, -2:].reshape(-1, depth)]
     )
     page = _median_u8(ring)
-    if _far_from(ring, page).mean() > 1 - CARD_FILL:
+    if np.count_nonzero(_far_from(ring, page)) / len(ring) > 1 - CARD_FILL:
         return None  # no single page colour around the picture
     step = _sample_step(height, width)
     if _card_box(_far_from(channels[::step, ::step], page)) is None:
@@ -345,7 +363,9 @@ def _card_box(off_page: np.ndarray) -> tuple[slice, slice] | None:
     box = (slice(rows[0], rows[-1] + 1), slice(cols[0], cols[-1] + 1))
     if min(rows[-1] - rows[0], cols[-1] - cols[0]) < 2 * MIN_SIDE:
         return None
-    return box if off_page[box].mean() >= CARD_FILL else None
+    # Everything off the page lies in the box: its share there is the whole count's.
+    area = (rows[-1] - rows[0] + 1) * (cols[-1] - cols[0] + 1)
+    return box if np.count_nonzero(off_page) / area >= CARD_FILL else None
 
 
 def _sample_step(height: int, width: int) -> int:
@@ -353,14 +373,17 @@ def _sample_step(height: int, width: int) -> int:
     return max(1, math.isqrt(height * width // SAMPLE_PIXELS))
 
 
+# Row a of this table holds |a - b| for every 8-bit b: `_distance`'s lookups, made once.
+_DIFFERENCES = np.abs(np.arange(256)[:, None] - np.arange(256)).astype(np.uint8)
+
+
 def _distance(pixels: np.ndarray, colour) -> np.ndarray:
     """Each pixel's largest channel difference from `colour` [C], uint8 [...] for pixels
     [..., C]: per channel, a 256-entry table gives each value's difference."""
-    levels = np.arange(256, dtype=np.int16)
     distance = None
     for c, value in enumerate(colour):
         # np.take: the same lookup as indexing, cheaper for uint8 indices (bench.preprocess)
-        here = np.take(np.abs(levels - int(value)).astype(np.uint8), pixels[..., c])
+        here = np.take(_DIFFERENCES[int(value)], pixels[..., c])
         distance = here if distance is None else np.maximum(distance, here, out=distance)
     return distance
 
@@ -391,11 +414,13 @@ def local_paper(pixels: np.ndarray, distance: np.ndarray) -> np.ndarray | None:
     `UNEVEN_PAPER` from it when this low a quantile of the block's distances does. A
     block's paper colour is its median: ink does not move it unless it covers half the
     block."""
-    tiles = _blocks(distance)
-    if tiles is None:  # too small for the lighting to vary across it
+    even = _blocks(distance < UNEVEN_PAPER)
+    if even is None:  # too small for the lighting to vary across it
         return None
-    low = int(PAPER_QUANTILE * (tiles.shape[2] - 1))  # np.quantile's "lower" index
-    if int(np.partition(tiles, low, axis=2)[:, :, low].max()) < UNEVEN_PAPER:
+    low = int(PAPER_QUANTILE * (even.shape[2] - 1))  # np.quantile's "lower" index
+    # A block's `low`-th smallest distance is under `UNEVEN_PAPER` where more than `low`
+    # of its distances are: counted, not sorted.
+    if np.count_nonzero(even, axis=2).min() > low:
         return None
     return np.median(_blocks(pixels), axis=2).round().astype(np.uint8)
 
@@ -454,6 +479,10 @@ def inside_frame(gray: Image.Image | np.ndarray) -> np.ndarray | None:
         count = int(np.argmin(full)) if not full.all() else full.size
         return count if count <= max(2, FRAME_THICKNESS * across) else 0
 
+    # Most pictures have no line along the top, where `lines` finds none: no need to measure
+    # every row and column (the top row's share counted, the same float as its mean).
+    if np.count_nonzero(box[0]) / width < FRAME_COVER:
+        return None
     across_rows, down_columns = box.mean(axis=1), box.mean(axis=0)
     above, below = lines(across_rows, height), lines(across_rows[::-1], height)
     before, after = lines(down_columns, width), lines(down_columns[::-1], width)
@@ -476,7 +505,11 @@ def trim_margins(gray: Image.Image | np.ndarray, margin: int) -> np.ndarray:
         return pixels  # a blank image stays blank; the model answers with an empty formula
     ink_cols = np.flatnonzero(ink.any(axis=0))
     cropped = pixels[ink_rows[0] : ink_rows[-1] + 1, ink_cols[0] : ink_cols[-1] + 1]
-    return np.pad(cropped, margin, constant_values=255)
+    # What np.pad gives, without its generality's cost.
+    height, width = cropped.shape
+    out = np.full((height + 2 * margin, width + 2 * margin), 255, dtype=cropped.dtype)
+    out[margin : margin + height, margin : margin + width] = cropped
+    return out
 
 
 def skew_angle(gray: Image.Image | np.ndarray, max_degrees: float) -> float:
@@ -492,11 +525,14 @@ def skew_angle(gray: Image.Image | np.ndarray, max_degrees: float) -> float:
     factor = pixels.shape[0] // SKEW_HEIGHT  # an angle needs no detail
     small = Image.fromarray(pixels).reduce(factor) if factor > 1 else pixels
     darkness = 255.0 - np.asarray(small, dtype=np.float32)
-    ys, xs = np.nonzero(darkness > 0)
-    if ys.size == 0:
+    ink = np.flatnonzero(darkness > 0)  # then rows and columns: cheaper than np.nonzero
+    if ink.size == 0:
         return 0.0
-    weights = darkness[ys, xs]
+    ys = ink // darkness.shape[1]
+    xs = ink - ys * darkness.shape[1]
     xs = xs - xs.mean()
+    # In float64 once: the arithmetic below would convert them on every call.
+    weights, ys_float = np.take(darkness, ink).astype(np.float64), ys.astype(np.float64)
 
     def levelness(angle: float) -> float:
         """How sharply the ink falls into rows: the row profile's sum of squares."""
@@ -504,7 +540,7 @@ def skew_angle(gray: Image.Image | np.ndarray, max_degrees: float) -> float:
             index = ys - ys.min()
             profile = np.bincount(index, weights, minlength=int(index.max()) + 2)
             return float(np.dot(profile, profile))
-        rows = ys - xs * np.tan(np.radians(angle))
+        rows = ys_float - xs * np.tan(np.radians(angle))
         below = np.floor(rows)
         upper = rows - below  # each pixel splits between its two nearest rows
         index = (below - below.min()).astype(np.int64)
@@ -569,28 +605,32 @@ def glyph_heights(gray: Image.Image | np.ndarray, stroke: float) -> np.ndarray:
     `GLYPH_MIN_STROKES` strokes of width `stroke` count (a fraction bar, a minus sign or
     a speck of noise does not). Glyphs that touch count as one."""
     ink = np.asarray(gray) < 128
+    flat = GLYPH_MIN_STROKES * stroke
     heights = []
     pending = [(ink, 0)]
     while pending:
         mask, depth = pending.pop()
-        tops, bottoms, lefts, rights = _pieces(mask)
-        tall = bottoms - tops
-        wide = (rights - lefts > GLYPH_WIDE * tall) & (tall > GLYPH_MIN_STROKES * stroke)
-        wide &= tall < mask.shape[0]  # a piece the cut left whole will not split again
-        if depth + 1 < GLYPH_CUTS:
-            for i in np.flatnonzero(wide):
-                pending.append((mask[tops[i] : bottoms[i], lefts[i] : rights[i]], depth + 1))
-            tall = tall[~wide]
-        heights.append(tall)
-    heights = np.concatenate(heights)
-    return heights[heights > GLYPH_MIN_STROKES * stroke]
+        # A few dozen pieces: plain Python costs less than NumPy calls on arrays this small.
+        tops, bottoms, lefts, rights = (side.tolist() for side in _pieces(mask))
+        for top, bottom, left, right in zip(tops, bottoms, lefts, rights, strict=True):
+            tall = bottom - top
+            # A piece the cut left whole (as tall as its mask) will not split again.
+            wide = right - left > GLYPH_WIDE * tall and flat < tall < mask.shape[0]
+            if wide and depth + 1 < GLYPH_CUTS:
+                pending.append((mask[top:bottom, left:right], depth + 1))
+            elif tall > flat:
+                heights.append(tall)
+    return np.array(heights, dtype=np.int64)
 
 
 def glyph_height(gray: Image.Image | np.ndarray, stroke: float | None = None) -> float | None:
     """The median height of the ink's glyphs (`glyph_heights`) in pixels, which follows
     the font size whatever its weight; None for fewer than `GLYPH_MIN_COUNT` glyphs."""
     heights = glyph_heights(gray, stroke_width(gray) if stroke is None else stroke)
-    return float(np.median(heights)) if heights.size >= GLYPH_MIN_COUNT else None
+    if heights.size < GLYPH_MIN_COUNT:
+        return None
+    # Whole numbers: the same median as np.median's, without its cost on a few dozen.
+    return float(statistics.median(heights.tolist()))
 
 
 def native_upscale(gray: Image.Image | np.ndarray, spec: FormulaImageSpec) -> float | None:
