@@ -1,8 +1,8 @@
 """A small HTTP load generator: closed-loop concurrency or open-loop Poisson arrivals.
 
 Works against any endpoint: a `Workload` says how to build the i-th request. The clients
-are aiohttp's: they share a machine with the server in most benchmarks, and cost about a
-fifth of httpx's CPU per request (`python -m bench.client_cost`, bench/RESULTS.md).
+are aiohttp's: they share a machine with the server in most benchmarks, so what they cost
+it matters (`python -m bench.client_cost` measures it; bench/RESULTS.md has the figures).
 """
 
 from __future__ import annotations

@@ -241,7 +241,7 @@ def _quantile_u8(values: np.ndarray, q: float) -> int:
     """The `q` quantile of 8-bit values, from their histogram (no sort). Where less than a
     `q` share of them lie below 255 (white paper, black ink on it) it is 255: no histogram."""
     values = values.ravel()
-    if values.size - np.count_nonzero(values == 255) < q * values.size:
+    if np.count_nonzero(values < 255) < q * values.size:
         return 255
     cumulative = np.cumsum(np.bincount(values, minlength=256))
     return int(np.searchsorted(cumulative, q * cumulative[-1]))
@@ -254,7 +254,7 @@ def _median_u8(values: np.ndarray) -> np.ndarray:
     middle = [(len(values) - 1) // 2, len(values) // 2]
     out = np.empty(values.shape[1], dtype=np.uint8)
     for c in range(values.shape[1]):
-        if len(values) - np.count_nonzero(values[:, c] == 255) <= middle[0]:
+        if np.count_nonzero(values[:, c] < 255) <= middle[0]:
             out[c] = 255
             continue
         cumulative = np.cumsum(np.bincount(values[:, c], minlength=256))
