@@ -4,16 +4,16 @@
 # its share closes a connection after its next answer) pay on the GPU? The kernel's hash
 # gave the busiest of 8 HTTP processes 1.3-1.6x its share of 256 closed-loop clients on
 # an H100 (bench/RESULTS.md, eleventh session), and its queue of `preprocess` set the
-# tail. Served formulas, the shipped plan (8 HTTP processes), as committed ("share") and
-# with the share switched off in the device's copy ("off", the code before it), twice
-# each in alternating order: closed loops at 128 and 256 in flight and Poisson arrivals
-# at 1,400/s with batches of at most 128 (the default), then closed loops at 256 with
-# batches of at most 256. Records in $OUT/share.jsonl.
+# tail. Served formulas, the shipped plan (12 HTTP processes on 16 cores since 600b15b),
+# as committed ("share") and with the share switched off in the device's copy ("off", the
+# code before it), twice each in alternating order: closed loops at 128 and 256 in flight
+# and Poisson arrivals at 1,400/s with batches of at most 128 (the default), then closed
+# loops at 256 with batches of at most 256. Records in $OUT/share.jsonl.
 #   carry: .whl .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/formula_share.sh COMMIT
 COMMIT=${1:?usage: bash bench/device/formula_share.sh COMMIT}
 T0=$(date +%s)
-END=$((T0 + ${CALL_S:-560}))
+END=$((T0 + ${CALL_S:-590}))
 source bench/device/step.sh
 prepare "$COMMIT" .whl
 FILE=app/launcher.py
@@ -38,6 +38,6 @@ alternate() {  # alternate LABEL CAP NEED COMPARE-ARGS...: share, off, off, shar
     done
 }
 alternate batch128 80 60 --concurrency 128,256 --rates 1400
-alternate batch256 50 40 --concurrency 256 --max-batch-size 256
+alternate batch256 68 60 --concurrency 256 --max-batch-size 256
 cp /tmp/launcher.py $FILE
 summarize '^\||ready on|Error|error'
