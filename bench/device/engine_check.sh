@@ -12,7 +12,7 @@
 # Each step's output goes to $OUT/NN-name.log, records to $OUT/*.jsonl, profiles to
 # $OUT/py-spy-*.txt; a step that fails or runs out of time keeps what it measured and the
 # next one runs. The whole call stays within 530 s.
-#   carry: .whl .whlx .gb (bench/device/bundle.sh); the image model moved out of the tree
+#   carry: .whl .whlb .whlx .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/engine_check.sh COMMIT
 COMMIT=${1:?usage: bash bench/device/engine_check.sh COMMIT}
 T0=$(date +%s)

@@ -3,7 +3,7 @@
 # concurrency 256, with py-spy on the serving process and its children and the server
 # logs kept; then with room for every client in the stream (max batch 256); then with
 # one HTTP process. Results, profiles and logs come back under $OUT.
-#   carry: .whl .gb (bench/device/bundle.sh); the image model moved out of the tree
+#   carry: .whl .whlb .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/formula_256.sh COMMIT
 COMMIT=$1 RESULTS=h200-256.jsonl
 source bench/device/serving_call.sh

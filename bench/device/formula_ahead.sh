@@ -4,7 +4,7 @@
 # batching) at 1, 128 and 256 with py-spy at 128, LitServe, model-only and texel-nobatch
 # side by side, then the equivalence check (batched, and streamed with random arrivals,
 # against one at a time). Results and profiles come back under $OUT.
-#   carry: .whl .gb (bench/device/bundle.sh); the image model moved out of the tree
+#   carry: .whl .whlb .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/formula_ahead.sh COMMIT
 COMMIT=$1 RESULTS=h200-ahead.jsonl
 source bench/device/serving_call.sh

@@ -4,7 +4,7 @@
 # LitServe, model-only and texel-nobatch, then the equivalence check (batched, and
 # streamed with random arrivals, against one at a time), all in one call on one GPU.
 # Each record names its TEXEL_ settings; results come back under $OUT.
-#   carry: .whl .gb (bench/device/bundle.sh); the image model moved out of the tree
+#   carry: .whl .whlb .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/formula_continuous.sh COMMIT
 COMMIT=$1 RESULTS=h200-continuous.jsonl
 source bench/device/serving_call.sh

@@ -3,11 +3,11 @@
 # model; GPU 1 runs Texel once per serving setting (each record names its TEXEL_/OTEL_
 # settings), with py-spy profiles (child processes included). Results, profiles and the
 # model come back under $OUT (8 files at most).
-#   carry: .whl .fd .gb (bench/device/bundle.sh); the image model moved out of the tree
+#   carry: .whl .whlb .fd .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/formula_diag.sh COMMIT [TRAIN_MINUTES]  (0: one GPU, no training)
 T0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+    --target /tmp/site .whl/*.whl $(compgen -G '.whlb/*.whl') || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TEXEL_COMMIT=$1 TEXEL_REQUEST_TIMEOUT_S=300
 mkdir -p /tmp/d /tmp/b /tmp/spy && tar xJf .fd/fd.tar.xz -C /tmp/d && tar xf .gb/bench_images.tar -C /tmp/b
 MINUTES=${2:-7.0}

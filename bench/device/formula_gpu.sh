@@ -2,11 +2,11 @@
 # One call on an `nvidia-h200-x2` machine (device tool), as run for the README's H200
 # figures: GPU 0 continues the formula model (formula_train.sh) while GPU 1 runs the
 # single-GPU comparison; then Texel on both GPUs. Results and the model come back under $OUT.
-#   carry: .whl .fd .gb (bench/device/bundle.sh); the image model moved out of the tree
+#   carry: .whl .whlb .fd .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/formula_gpu.sh COMMIT [MINUTES [LR [REAL_FRACTION [SEED [EXTRA...]]]]]
 T0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+    --target /tmp/site .whl/*.whl $(compgen -G '.whlb/*.whl') || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TEXEL_COMMIT=$1 TEXEL_REQUEST_TIMEOUT_S=300
 mkdir -p /tmp/d /tmp/b && tar xJf .fd/fd.tar.xz -C /tmp/d && tar xf .gb/bench_images.tar -C /tmp/b
 MINUTES=${2:-7.0}  # 0: no training (a one-GPU machine: benchmarks only, on GPU 0)

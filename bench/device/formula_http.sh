@@ -3,7 +3,7 @@
 # processes (TEXEL_HTTP_PROCESSES) against LitServe with 1 and 4 HTTP processes
 # (num_api_servers), texel-nobatch and model-only, all in one call on one GPU. Each
 # record names its TEXEL_ settings; results come back under $OUT.
-#   carry: .whl .gb (bench/device/bundle.sh); the image model moved out of the tree
+#   carry: .whl .whlb .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/formula_http.sh COMMIT [COUNTS]   (COUNTS default "1 2 4 6")
 COMMIT=$1 RESULTS=h200-http.jsonl
 source bench/device/serving_call.sh

@@ -3,7 +3,7 @@
 # client's connection alive: Texel (4 HTTP processes) with continuous batching and
 # without, LitServe, texel-nobatch and model-only, side by side at 128 and 256.
 # Results and the servers' logs come back under $OUT.
-#   carry: .whl .gb (bench/device/bundle.sh); the image model moved out of the tree
+#   carry: .whl .whlb .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/formula_keepalive.sh COMMIT
 COMMIT=$1 RESULTS=h200-keepalive.jsonl
 source bench/device/serving_call.sh

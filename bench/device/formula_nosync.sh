@@ -4,7 +4,7 @@
 # alone (bench.stream_probe, no HTTP, with the synchronization check), then Texel
 # (4 HTTP processes, continuous batching) at 1, 128 and 256, LitServe, model-only and
 # texel-nobatch side by side, then the equivalence check. Results come back under $OUT.
-#   carry: .whl .gb (bench/device/bundle.sh); the image model moved out of the tree
+#   carry: .whl .whlb .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/formula_nosync.sh COMMIT
 COMMIT=$1 RESULTS=h200-nosync.jsonl
 source bench/device/serving_call.sh

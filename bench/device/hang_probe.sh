@@ -6,7 +6,7 @@
 # $OUT/results.tar.xz; within PROBE_S (320) + 10 s. LOADS replaces the loads. With
 # RESERVED, engine.sharing.RESERVED_SMS is that instead (recorded as commit
 # COMMIT-reservedRESERVED).
-#   carry: .whl .whlx .gb (bench/device/bundle.sh); the image model moved out of the tree
+#   carry: .whl .whlb .whlx .gb (bench/device/bundle.sh); the image model moved out of the tree
 #   command: bash bench/device/hang_probe.sh COMMIT [RESERVED]
 COMMIT=${1:?usage: bash bench/device/hang_probe.sh COMMIT [RESERVED]}
 T0=$(date +%s)

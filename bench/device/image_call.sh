@@ -4,7 +4,7 @@
 #   expects: COMMIT set; carry .whl .whlx (bench/device/bundle.sh)
 T0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl .whlx/*.whl || exit 1
+    --target /tmp/site .whl/*.whl $(compgen -G '.whlb/*.whl') .whlx/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD TEXEL_COMMIT=$COMMIT PYTHONUNBUFFERED=1
 L=$OUT/bench.log
 nvidia-smi --query-gpu=name,driver_version --format=csv > $L

@@ -7,7 +7,7 @@
 #   command: bash bench/device/image_gpu.sh COMMIT [UNET_SECONDS]
 T0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl .whlx/*.whl || exit 1
+    --target /tmp/site .whl/*.whl $(compgen -G '.whlb/*.whl') .whlx/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD TEXEL_COMMIT=$1
 mkdir -p /tmp/b && tar xf .gb/bench_images.tar -C /tmp/b
 L=$OUT/image_train.log

@@ -25,7 +25,7 @@ COMMIT=${1:?usage: bash bench/device/mixed.sh COMMIT}
 T0=$(date +%s)
 END=$((T0 + 520))  # the device tool stops a command at 600 s; leave room for the transfers
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl .whlx/*.whl || exit 1
+    --target /tmp/site .whl/*.whl $(compgen -G '.whlb/*.whl') .whlx/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TEXEL_COMMIT=$COMMIT
 mkdir -p /tmp/b && tar xf .gb/bench_images.tar -C /tmp/b
 L=$OUT/bench.log

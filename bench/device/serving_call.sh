@@ -2,10 +2,10 @@
 # carried wheels, unpacks the benchmark images and defines `cmp ARGS...`, one
 # bench.compare run whose records go to $OUT/$RESULTS and whose log to $OUT/bench.log,
 # and `comparison`, the whole side-by-side comparison plus the equivalence check.
-#   expects: COMMIT and RESULTS set; carry .whl .gb (bench/device/bundle.sh)
+#   expects: COMMIT and RESULTS set; carry .whl .whlb .gb (bench/device/bundle.sh)
 T0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+    --target /tmp/site .whl/*.whl $(compgen -G '.whlb/*.whl') || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TEXEL_COMMIT=$COMMIT TEXEL_REQUEST_TIMEOUT_S=300
 mkdir -p /tmp/b && tar xf .gb/bench_images.tar -C /tmp/b
 L=$OUT/bench.log

@@ -1,13 +1,14 @@
 # Sourced by the device calls: `prepare`, their set-up, and `step`, one bounded step of a
 # call (expects T0, END, L, OUT).
 
-# prepare COMMIT FOLDER...: install the wheels carried in each FOLDER, export what the
-# benchmarks read (the commit they record), unpack the benchmark images into /tmp/b, and
-# start the call's log, L ($OUT/bench.log), with the GPU it runs on.
+# prepare COMMIT FOLDER...: install the wheels carried in each FOLDER (and .whlb's where
+# carried), export what the benchmarks read (the commit they record), unpack the benchmark
+# images into /tmp/b, and start the call's log, L ($OUT/bench.log), with the GPU it runs on.
 prepare() {
     local commit=$1 folder wheels=()
     shift
     for folder in "$@"; do wheels+=("$folder"/*.whl); done
+    [[ -d .whlb ]] && wheels+=(.whlb/*.whl)  # LitServe and py-spy, where carried
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site "${wheels[@]}" || exit 1
     export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TEXEL_COMMIT=$commit

@@ -7,7 +7,7 @@
 #   command: bash bench/device/train_image.sh COMMIT MINUTES [LR [REAL_FRACTION [SEED [EXTRA...]]]]
 T0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl .whlx/*.whl || exit 1
+    --target /tmp/site .whl/*.whl $(compgen -G '.whlb/*.whl') .whlx/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TEXEL_COMMIT=$1
 shift
 mkdir -p /tmp/d && tar xJf .fd/fd.tar.xz -C /tmp/d
