@@ -436,7 +436,9 @@ class FormulaRecognizer(Model):
         """
         rows: dict[int, tuple[int, float]] = {}  # slot -> (the feed's key, when it joined)
         ahead = decoder.device.type == "cuda" if self.stream_ahead is None else self.stream_ahead
-        behind, after = (decoder.steps_behind, decoder.steps_ahead) if ahead else (None, 0)
+        behind, after = (
+            (decoder.steps_behind, decoder.steps_ahead) if ahead else (decoder.steps_per_check, 0)
+        )
         try:
             with torch.inference_mode():
                 while True:
