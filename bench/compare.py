@@ -38,7 +38,7 @@ import httpx
 
 from bench.common import append_records, commit, formula_images, machine, settings_env
 from bench.connection_spread import by_role, cpu_seconds, held
-from bench.load import LoadResult, Workload, closed_loop_processes, open_loop
+from bench.load import LoadResult, Workload, closed_loop_processes, open_loop_processes
 from bench.server import ROOT, ServerProcess, free_port
 
 
@@ -383,6 +383,8 @@ def record(args, server: str, concurrency, result: LoadResult | None, **extra) -
             requests=summary["requests"],
             mode=summary["mode"],
         )
+        if "client_late_p99_ms" in summary:  # open loop: latencies count from arrival times
+            base["client_late_p99_ms"] = summary["client_late_p99_ms"]
     base.update(extra)
     print(json.dumps(base), flush=True)
     append_records([base], args.out)  # as it comes: a run cut short keeps what it measured
@@ -468,8 +470,12 @@ def sweep(
             extra.update(cores.result())
         records.append(record(args, server, concurrency, result, **extra))
     for rate in args.rates if is_texel else []:
-        result = asyncio.run(open_loop(url, workload, rate, args.duration))
-        records.append(record(args, server, f"poisson@{rate}", result))
+        before = scrape(url)
+        result = open_loop_processes(
+            url, workload, rate, args.duration, args.warmup, args.client_processes
+        )
+        extra = texel_extras(before, scrape(url))
+        records.append(record(args, server, f"poisson@{rate}", result, **extra))
     return records
 
 

@@ -60,6 +60,9 @@ class LoadResult:
     latencies_s: list[float] = field(default_factory=list)
     statuses: Counter = field(default_factory=Counter)
     batch_sizes: list[int] = field(default_factory=list)
+    # Open loop: how late each request left the client after its arrival time (its
+    # latency counts from the arrival, so a client falling behind shows here first).
+    late_s: list[float] = field(default_factory=list)
 
     @property
     def ok(self) -> int:
@@ -97,13 +100,28 @@ class LoadResult:
             "mean_batch_size": round(statistics.fmean(self.batch_sizes), 2)
             if self.batch_sizes
             else None,
+            **(
+                {"client_late_p99_ms": round(1000 * _quantile(self.late_s, 0.99), 2)}
+                if self.late_s
+                else {}
+            ),
         }
 
 
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
 async def _one(
-    client: aiohttp.ClientSession, workload: Workload, i: int, result: LoadResult
+    client: aiohttp.ClientSession,
+    workload: Workload,
+    i: int,
+    result: LoadResult,
+    since: float | None = None,
 ) -> None:
-    started = time.perf_counter()
+    """Request i; its latency counts from `since` (an open loop's arrival time) or now."""
+    started = time.perf_counter() if since is None else since
     try:
         kwargs = _request_kwargs(workload.build(i))
         async with client.request(workload.method, workload.path, **kwargs) as response:
@@ -162,67 +180,118 @@ def closed_loop_processes(
     """`closed_loop` split over several client processes, for loads one Python client
     cannot generate; latencies and statuses are pooled."""
     processes = max(1, min(processes, concurrency))
-    if processes == 1:
-        return asyncio.run(closed_loop(url, workload, concurrency, duration_s, warmup_s))
+    shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
+    parts = _in_processes(
+        [
+            lambda share=share: closed_loop(url, workload, share, duration_s, warmup_s)
+            for share in shares
+        ],
+        timeout_s=duration_s + warmup_s + 300,
+    )
+    return _pooled(parts, "closed", concurrency)
+
+
+def _in_processes(loads: list[Callable], timeout_s: float) -> list[LoadResult]:
+    """Each of `loads` (a coroutine function) run to its end in a client process of its
+    own, or here when there is one."""
+    if len(loads) == 1:
+        return [asyncio.run(loads[0]())]
     context = multiprocessing.get_context("fork")  # the workload's closures are not picklable
     results = context.Queue()
-    shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
     children = [
-        context.Process(
-            target=lambda share=share: results.put(
-                asyncio.run(closed_loop(url, workload, share, duration_s, warmup_s))
-            )
-        )
-        for share in shares
+        context.Process(target=lambda load=load: results.put(asyncio.run(load()))) for load in loads
     ]
     for child in children:
         child.start()
-    parts = [results.get(timeout=duration_s + warmup_s + 300) for _ in children]
+    parts = [results.get(timeout=timeout_s) for _ in children]
     for child in children:
         child.join()
-    pooled = LoadResult("closed", concurrency, max(part.duration_s for part in parts))
+    return parts
+
+
+def _pooled(parts: list[LoadResult], mode: str, level: float) -> LoadResult:
+    if len(parts) == 1:
+        return parts[0]
+    pooled = LoadResult(mode, level, max(part.duration_s for part in parts))
     for part in parts:
         pooled.latencies_s += part.latencies_s
         pooled.statuses.update(part.statuses)
         pooled.batch_sizes += part.batch_sizes
+        pooled.late_s += part.late_s
     return pooled
 
 
 async def open_loop(
-    url: str, workload: Workload, rate_rps: float, duration_s: float, seed: int = 0
+    url: str,
+    workload: Workload,
+    rate_rps: float,
+    duration_s: float,
+    warmup_s: float = 0.0,
+    seed: int = 0,
 ) -> LoadResult:
-    """Requests arrive as a Poisson process at `rate_rps`, whatever the server's pace.
+    """Requests arrive as a Poisson process at `rate_rps`, whatever the server's pace:
+    `warmup_s` of arrivals first (not recorded: connections opened, the server at this
+    pace), then `duration_s` recorded. A request's latency counts from its arrival
+    time, so a client that falls behind its schedule cannot hide the wait
+    (`late_s`).
 
     Each request borrows an idle HTTP client with one kept-alive connection, or opens
     one more, for the same reason as in `closed_loop`.
     """
     rng = random.Random(seed)
-    result = LoadResult("open", rate_rps, duration_s)
     idle: list[aiohttp.ClientSession] = []
     opened: list[aiohttp.ClientSession] = []
 
-    async def one(i: int) -> None:
+    async def one(i: int, due: float, result: LoadResult) -> None:
         if not idle:
             opened.append(_client(url))
             idle.append(opened[-1])
         client = idle.pop()
+        result.late_s.append(time.perf_counter() - due)
         try:
-            await _one(client, workload, i, result)
+            await _one(client, workload, i, result, since=due)
         finally:
             idle.append(client)
 
-    try:
+    async def arrivals(result: LoadResult, first: int) -> int:
         tasks = []
         started = time.perf_counter()
-        next_at = started
-        i = 0
-        while next_at < started + duration_s:
-            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
-            tasks.append(asyncio.create_task(one(i)))
-            i += 1
-            next_at += rng.expovariate(rate_rps)
+        due = started
+        while due < started + result.duration_s:
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            tasks.append(asyncio.create_task(one(first + len(tasks), due, result)))
+            due += rng.expovariate(rate_rps)
         await asyncio.gather(*tasks)
         result.duration_s = time.perf_counter() - started
+        return first + len(tasks)
+
+    try:
+        sent = await arrivals(LoadResult("open", rate_rps, warmup_s), 0) if warmup_s else 0
+        result = LoadResult("open", rate_rps, duration_s)
+        await arrivals(result, sent)
     finally:
         await asyncio.gather(*(client.close() for client in opened))
     return result
+
+
+def open_loop_processes(
+    url: str,
+    workload: Workload,
+    rate_rps: float,
+    duration_s: float,
+    warmup_s: float = 0.0,
+    processes: int = 1,
+) -> LoadResult:
+    """`open_loop` split over several client processes, each with an equal share of the
+    rate (Poisson processes added together are one at the summed rate) and its own
+    seed; latencies and statuses are pooled."""
+    processes = max(1, processes)
+    share = rate_rps / processes
+    parts = _in_processes(
+        [
+            lambda seed=seed: open_loop(url, workload, share, duration_s, warmup_s, seed)
+            for seed in range(processes)
+        ],
+        timeout_s=duration_s + warmup_s + 300,
+    )
+    return _pooled(parts, "open", rate_rps)

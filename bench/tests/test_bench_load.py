@@ -1,10 +1,10 @@
-"""The benchmark client: closed-loop load split over processes pools every answer."""
+"""The benchmark client: closed- and open-loop load split over processes pools every answer."""
 
 from __future__ import annotations
 
 import httpx
 
-from bench.load import Workload, closed_loop_processes
+from bench.load import Workload, closed_loop_processes, open_loop_processes
 from tests.conftest import formula_png
 
 
@@ -33,6 +33,28 @@ def test_closed_loop_over_two_processes_pools_every_request(server):
     assert result.ok > 0 and result.errors == {}
     assert sum(result.statuses.values()) == served  # both processes' requests, each once
     assert len(result.latencies_s) == result.ok
+
+
+def test_open_loop_over_two_processes_pools_every_request_after_its_warmup(server):
+    """Poisson arrivals from two processes at half the rate each: every recorded request
+    once, each with its lateness; the warm-up's requests served but not recorded."""
+    images = [formula_png("x+1"), formula_png("a^2")]
+    workload = Workload(
+        "POST",
+        "/recognize",
+        lambda i: {"files": {"image": ("f.png", images[i % 2], "image/png")}},
+    )
+    before = recognize_requests_served(server.url)
+    result = open_loop_processes(
+        server.url, workload, rate_rps=30, duration_s=1.0, warmup_s=0.5, processes=2
+    )
+    served = recognize_requests_served(server.url) - before
+    recorded = sum(result.statuses.values())
+    assert result.mode == "open" and result.level == 30
+    assert result.ok > 0 and result.errors == {}
+    assert len(result.latencies_s) == result.ok and len(result.late_s) == recorded
+    assert served > recorded  # the warm-up's arrivals were answered too
+    assert "client_late_p99_ms" in result.summary()
 
 
 def test_each_closed_loop_client_keeps_one_connection_of_its_own(tmp_path):
