@@ -9,6 +9,7 @@ and cost, run a batch on a device, postprocess one result.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import threading
 import time
@@ -38,6 +39,7 @@ from models.devices import (
     side_stream,
 )
 from models.formula.fast_decode import StaticGreedyDecoder, token_ids
+from models.formula.onnx_decode import OnnxStaticDecoder
 from models.formula.preprocess import (
     FormulaImageSpec,
     FormulaInput,
@@ -47,6 +49,8 @@ from models.formula.preprocess import (
     pad_strips,
 )
 from telemetry import metrics
+
+log = logging.getLogger(__name__)
 
 # Encoders whose position information copes with any input width.
 VARIABLE_WIDTH_ENCODERS = frozenset({"swin", "donut-swin", "swinv2"})
@@ -314,13 +318,23 @@ class FormulaRecognizer(Model):
         pixels = self._pixels([FormulaInput(blank, widths[-1])], device)
         with torch.inference_mode():
             source_len = model.encoder(pixel_values=pixels).last_hidden_state.shape[1]
-        decoder = StaticGreedyDecoder(
-            model,
-            max_batch_size=max_batch_size,
-            max_new_tokens=self.max_new_tokens,
-            max_source_len=source_len,
-            batch_invariant=self.batch_invariant and model.device.type == "cuda",
-        )
+        sizes = {
+            "max_batch_size": max_batch_size,
+            "max_new_tokens": self.max_new_tokens,
+            "max_source_len": source_len,
+        }
+        decoder = None
+        if OnnxStaticDecoder.supports(model):  # a float32 model on a CPU
+            try:
+                decoder = OnnxStaticDecoder(model, example=pixels.float(), **sizes)
+            except Exception as exc:  # an architecture the exporter does not take
+                log.warning("decoding with PyTorch: ONNX export failed (%s)", exc)
+        if decoder is None:
+            decoder = StaticGreedyDecoder(
+                model,
+                batch_invariant=self.batch_invariant and model.device.type == "cuda",
+                **sizes,
+            )
         # Captures every batch size's CUDA graph, and the encoder's for every width.
         decoder.warmup([(pixels.shape[1], pixels.shape[2], width) for width in widths])
         return decoder

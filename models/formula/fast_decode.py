@@ -688,6 +688,23 @@ class StaticGreedyDecoder:
         feed_forward = linear.fc2(layer.activation_fn(linear.fc1(hidden)))
         return layer.final_layer_norm(hidden + feed_forward)
 
+    def _logits(
+        self,
+        rows: int,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        self_mask: torch.Tensor,
+        source_len: int,
+    ) -> torch.Tensor:
+        """The next token's logits [rows, vocabulary] of each row, its K/V written into the
+        cache at its position; `self_mask` [rows, 1, 1, cache length] leaves open the
+        positions up to each row's own."""
+        hidden = self._embed(tokens, positions)
+        write = positions[:, None, None, None].expand(rows, self.num_heads, 1, self.head_dim)
+        for i, layer in enumerate(self.decoder.layers):
+            hidden = self._layer(i, layer, hidden, rows, self_mask, write, source_len)
+        return self.lm_projection(hidden[:, 0])
+
     def _step(self, rows: int) -> None:
         """Feed each row's current token, pick its next one greedily, advance its position.
 
@@ -707,17 +724,13 @@ class StaticGreedyDecoder:
                 max(self._slot_steps[slot] for slot in live) + 1, self.cache_positions.shape[0]
             )
             source_len = max(self._slot_source[slot] for slot in live) or 1
-        hidden = self._embed(tokens, positions)
         self_mask = torch.zeros(
             (rows, 1, 1, cache_len), device=self.device, dtype=self.attention_dtype
         )
         self_mask.masked_fill_(
             self.cache_positions[:cache_len] > positions[:, None, None, None], self.neg
         )
-        write = positions[:, None, None, None].expand(rows, self.num_heads, 1, self.head_dim)
-        for i, layer in enumerate(self.decoder.layers):
-            hidden = self._layer(i, layer, hidden, rows, self_mask, write, source_len)
-        logits = self.lm_projection(hidden[:, 0]).float()
+        logits = self._logits(rows, tokens, positions, self_mask, source_len).float()
         best = logits.argmax(dim=-1)
         chosen = torch.where(finished, self.pad_id, best)
         # Each running row's summed log-probability of its tokens: the answer's confidence.

@@ -1,0 +1,274 @@
+"""The static decoder on a CPU with its model math run by ONNX Runtime.
+
+Why: on a CPU the static decoder runs eagerly, and a step of one row is a hundred-odd
+small PyTorch operations, each paying its dispatch; the encoder's products and attention
+run unfused. ONNX Runtime runs the same math as two optimized graphs, the same answers
+1.7-1.8x sooner for one request at a time (bench/RESULTS.md, `bench.cpu_onnx`).
+
+How: `OnnxStaticDecoder` is `StaticGreedyDecoder` with two methods replaced. `_encode`
+runs the encoder graph (pixels to every decoder layer's cross-attention K and V); `_logits`
+runs the step graph on the rows' tokens and positions, the K/V cache up to the furthest
+row's position, the cross-attention K/V and both masks, and writes the new K/V it
+returns into the cache. Everything else (slots, admission, the greedy choice, finishing,
+harvest) is the parent's, so the stream, its tests and its answers carry over. Both
+graphs are exported from the loaded model when the decoder is made (a few seconds),
+float32 only: with a bf16 model the parent's oneDNN path is the fast one.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import warnings
+
+import numpy as np
+import torch
+from torch import nn
+
+from models.formula.fast_decode import StaticGreedyDecoder
+
+logger = logging.getLogger(__name__)
+
+
+def available() -> bool:
+    """Whether ONNX Runtime and the exporter's `onnx` are installed."""
+    try:
+        import onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class _EncoderGraph(nn.Module):
+    """Pixels [rows, C, H, W] to cross-attention K and V [2, layers, rows, heads, S, D]."""
+
+    def __init__(self, decoder: StaticGreedyDecoder) -> None:
+        super().__init__()
+        self.model = decoder.model  # registered: its weights become the graph's
+        self.encode = decoder._encode
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.encode(pixels)
+
+
+class _StepGraph(nn.Module):
+    """One step of every row, as `StaticGreedyDecoder._logits` computes it, with the cache
+    an input and the new K/V outputs: tokens [R], positions [R], self mask [R, 1, 1, C],
+    cache K/V [layers, R, heads, C, D], cross K/V [layers, R, heads, S, D], source mask
+    [R, 1, 1, S] to logits [R, V] and the new K/V [layers, R, heads, 1, D]."""
+
+    def __init__(self, decoder: StaticGreedyDecoder) -> None:
+        super().__init__()
+        self.decoder = decoder.decoder
+        self.projection = decoder.lm_head
+        self.heads, self.head_dim = decoder.num_heads, decoder.head_dim
+        self.embed = decoder._embed
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(x.shape[0], -1, self.heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, tokens, positions, self_mask, past_k, past_v, cross_k, cross_v, source_mask):
+        hidden = self.embed(tokens, positions)  # [R, 1, E]
+        cache = torch.arange(past_k.shape[3], device=positions.device)
+        here = (cache[None, :] == positions[:, None])[:, None, :, None]  # [R, 1, C, 1]
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.decoder.layers):
+            attention = layer.self_attn
+            query = self.split(attention.q_proj(hidden) * attention.scaling)
+            k, v = self.split(attention.k_proj(hidden)), self.split(attention.v_proj(hidden))
+            new_k.append(k)
+            new_v.append(v)
+            keys, values = torch.where(here, k, past_k[i]), torch.where(here, v, past_v[i])
+            out = torch.softmax(query @ keys.transpose(2, 3) + self_mask, dim=-1) @ values
+            hidden = layer.self_attn_layer_norm(hidden + attention.out_proj(self.merge(out)))
+            cross = layer.encoder_attn
+            query = self.split(cross.q_proj(hidden) * cross.scaling)
+            scores = query @ cross_k[i].transpose(2, 3) + source_mask
+            out = torch.softmax(scores, dim=-1) @ cross_v[i]
+            hidden = layer.encoder_attn_layer_norm(hidden + cross.out_proj(self.merge(out)))
+            feed_forward = layer.fc2(layer.activation_fn(layer.fc1(hidden)))
+            hidden = layer.final_layer_norm(hidden + feed_forward)
+        return self.projection(hidden[:, 0]), torch.stack(new_k), torch.stack(new_v)
+
+    def merge(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2).reshape(x.shape[0], -1, self.heads * self.head_dim)
+
+
+def _session(graph: bytes, threads: int):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+
+
+def _export(module: nn.Module, inputs: tuple, names: tuple[list, list], axes: dict) -> bytes:
+    """The module traced into an ONNX graph. The tracer's warnings (values it records as
+    constants) are not printed: warm-up checks the graphs against PyTorch instead."""
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trace(module, inputs, names, axes, buffer)
+    return buffer.getvalue()
+
+
+def _trace(module, inputs, names, axes, buffer) -> None:
+    torch.onnx.export(
+        module,
+        inputs,
+        buffer,
+        input_names=names[0],
+        output_names=names[1],
+        dynamic_axes=axes,
+        opset_version=18,
+        dynamo=False,
+    )
+
+
+class OnnxStaticDecoder(StaticGreedyDecoder):
+    """`StaticGreedyDecoder` on a CPU, its encoder and step math run by ONNX Runtime."""
+
+    @staticmethod
+    def supports(model) -> bool:
+        return (
+            StaticGreedyDecoder.supports(model)
+            and model.device.type == "cpu"
+            and model.dtype == torch.float32
+            and model.decoder.config.use_learned_position_embeddings
+            and available()
+        )
+
+    def __init__(self, model, *, example: torch.Tensor, **kwargs) -> None:
+        """`example`: pixels [1, C, H, W] of the model's input shape (any width)."""
+        super().__init__(model, **kwargs)
+        threads = torch.get_num_threads()
+        layers, heads, dim = len(self.decoder.layers), self.num_heads, self.head_dim
+        with torch.no_grad():
+            cross = self._encode(example)
+            source = cross.shape[-2]
+            self._encoder = _session(
+                _export(
+                    _EncoderGraph(self).eval(),
+                    (example,),
+                    (["pixels"], ["kv"]),
+                    {"pixels": {0: "rows", 3: "width"}, "kv": {2: "rows", 4: "source"}},
+                ),
+                threads,
+            )
+            cache = torch.zeros(layers, 1, heads, 2, dim)
+            step = (
+                torch.tensor([self.start_id]),
+                torch.tensor([0]),
+                torch.zeros(1, 1, 1, 2),
+                cache,
+                cache,
+                cross[0],
+                cross[1],
+                torch.zeros(1, 1, 1, source),
+            )
+            names = ["tokens", "positions", "self_mask", "past_k", "past_v"]
+            names += ["cross_k", "cross_v", "source_mask"]
+            rows_c = {1: "rows", 3: "cache"}
+            rows_s = {1: "rows", 3: "source"}
+            self._stepper = _session(
+                _export(
+                    _StepGraph(self).eval(),
+                    step,
+                    (names, ["logits", "new_k", "new_v"]),
+                    {
+                        "tokens": {0: "rows"},
+                        "positions": {0: "rows"},
+                        "self_mask": {0: "rows", 3: "cache"},
+                        "past_k": rows_c,
+                        "past_v": rows_c,
+                        "cross_k": rows_s,
+                        "cross_v": rows_s,
+                        "source_mask": {0: "rows", 3: "source"},
+                        "logits": {0: "rows"},
+                        "new_k": {1: "rows"},
+                        "new_v": {1: "rows"},
+                    },
+                ),
+                threads,
+            )
+        self._example_shape = tuple(example.shape[1:])
+        self.onnx = True  # until warm-up finds a width its graphs do not reproduce
+        # The cross-attention K/V of the rows a step reads, contiguous for ONNX Runtime:
+        # made again only when admission changed them or the rows or length differ.
+        self._cross_version = 0
+        self._cross_inputs: tuple[tuple[int, int, int], np.ndarray, np.ndarray] | None = None
+
+    @torch.inference_mode()
+    def warmup(self, input_shapes=()) -> None:
+        """Each input shape encoded, and a step taken, by both PyTorch and the graphs: an
+        export traced at one width can hold constants of that width (Swin's windows), so
+        a shape the graphs do not reproduce sends the decoder back to PyTorch."""
+        generator = torch.Generator().manual_seed(0)
+        for shape in input_shapes:
+            pixels = torch.rand((2, *shape), generator=generator)
+            expected = super()._encode(pixels)
+            if not torch.allclose(self._encode(pixels), expected, rtol=1e-3, atol=1e-4):
+                return self._fall_back(f"the encoder at {shape} differs")
+        rows = min(2, self.max_batch_size)
+        shape = input_shapes[0] if input_shapes else self._example_shape
+        slots = self.admit(torch.rand((rows, *shape), generator=generator))
+        self.tokens[:rows] = torch.tensor([self.start_id, self.pad_id][:rows])
+        mask = torch.zeros(rows, 1, 1, 1)
+        args = (rows, self.tokens[:rows], self.positions[:rows], mask, self._slot_source[0])
+        got = self._logits(*args)
+        self.onnx = False
+        expected = super()._logits(*args)
+        self.onnx = True
+        self.release(slots)
+        if not torch.allclose(got, expected, rtol=1e-3, atol=1e-4):
+            return self._fall_back("a step differs")
+        super().warmup(input_shapes)
+
+    def _fall_back(self, why: str) -> None:
+        logger.warning("decoding with PyTorch: ONNX Runtime's graphs disagree (%s)", why)
+        self.onnx = False
+        super().warmup()
+
+    def _encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        if not getattr(self, "onnx", False):  # exporting, measuring, or fallen back
+            return super()._encode(pixel_values)
+        (kv,) = self._encoder.run(None, {"pixels": pixel_values.contiguous().numpy()})
+        return torch.from_numpy(kv)
+
+    def _store_source(self, kv, slots, mask=None) -> None:
+        super()._store_source(kv, slots, mask)
+        self._cross_version += 1
+
+    def _logits(self, rows, tokens, positions, self_mask, source_len) -> torch.Tensor:
+        if not self.onnx:
+            return super()._logits(rows, tokens, positions, self_mask, source_len)
+        cache_len = self_mask.shape[-1]
+        key = (rows, source_len, self._cross_version)
+        if self._cross_inputs is None or self._cross_inputs[0] != key:
+            self._cross_inputs = (
+                key,
+                self.cross_k[:, :rows, :, :source_len].contiguous().numpy(),
+                self.cross_v[:, :rows, :, :source_len].contiguous().numpy(),
+            )
+        _, cross_k, cross_v = self._cross_inputs
+        logits, new_k, new_v = self._stepper.run(
+            None,
+            {
+                "tokens": tokens.numpy(),
+                "positions": positions.numpy(),
+                "self_mask": self_mask.numpy(),
+                "past_k": self.self_k[:, :rows, :, :cache_len].contiguous().numpy(),
+                "past_v": self.self_v[:, :rows, :, :cache_len].contiguous().numpy(),
+                "cross_k": cross_k,
+                "cross_v": cross_v,
+                "source_mask": self.source_mask[:rows, ..., :source_len].contiguous().numpy(),
+            },
+        )
+        layers, _, heads, _, dim = new_k.shape
+        write = positions[None, :, None, None, None].expand(layers, rows, heads, 1, dim)
+        self.self_k[:, :rows].scatter_(3, write, torch.from_numpy(new_k))
+        self.self_v[:, :rows].scatter_(3, write, torch.from_numpy(new_v))
+        return torch.from_numpy(logits)

@@ -1,0 +1,88 @@
+"""The CPU's static decoder with its math in ONNX Runtime answers as the PyTorch one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.formula.fast_decode import StaticGreedyDecoder
+from models.formula.onnx_decode import OnnxStaticDecoder
+
+pytest.importorskip("onnxruntime")
+
+SOURCE_LEN = 64
+SHAPES = [(1, 32, 64), (1, 32, 128)]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from transformers import VisionEncoderDecoderModel
+
+    from training.tiny import build_tiny_formula_model
+
+    folder = build_tiny_formula_model(tmp_path_factory.mktemp("tiny-formula"))
+    return VisionEncoderDecoderModel.from_pretrained(folder).eval()
+
+
+def _pixels(batch: int, width: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 1, 32, width, generator=generator)
+
+
+def _decoders(model):
+    sizes = {"max_batch_size": 4, "max_new_tokens": 24, "max_source_len": SOURCE_LEN}
+    onnx = OnnxStaticDecoder(model, example=_pixels(1, 64, seed=0), **sizes)
+    plain = StaticGreedyDecoder(model, **sizes)
+    return onnx, plain
+
+
+def test_answers_as_the_pytorch_decoder_at_every_width(tiny_model) -> None:
+    assert OnnxStaticDecoder.supports(tiny_model)
+    onnx, plain = _decoders(tiny_model)
+    onnx.warmup(SHAPES)
+    plain.warmup(SHAPES)
+    assert onnx.onnx, "warm-up found the graphs wrong for the tiny model"
+    for batch, width, seed in [(1, 64, 1), (3, 64, 2), (2, 128, 3), (4, 128, 4)]:
+        pixels = _pixels(batch, width, seed)
+        got, expected = onnx.decode(pixels), plain.decode(pixels)
+        assert torch.equal(got.tokens, expected.tokens)
+        for ours, theirs in zip(got.rows, expected.rows, strict=True):
+            assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+
+
+def test_rows_joining_a_running_stream_answer_as_alone(tiny_model) -> None:
+    """Continuous batching through the graphs: a row admitted while others run decodes
+    the tokens it decodes alone."""
+    onnx, _ = _decoders(tiny_model)
+    onnx.warmup(SHAPES)
+    first, later = _pixels(2, 64, seed=5), _pixels(1, 128, seed=6)
+    alone = [onnx.decode(first[i : i + 1]).rows[0].tokens for i in range(2)]
+    alone.append(onnx.decode(later).rows[0].tokens)
+    slots = onnx.admit(first)
+    onnx.run()
+    onnx.run()
+    slots += onnx.admit(later)
+    answers = {}
+    while onnx.running:
+        onnx.run()
+        answers.update({slot: row.tokens for slot, row in onnx.harvest().items()})
+    assert [answers[slot] for slot in slots] == alone
+
+
+def test_graphs_that_disagree_at_warmup_fall_back_to_pytorch(tiny_model, caplog) -> None:
+    """An export can bake in its example's width; warm-up compares and, where the graphs
+    differ, decodes with PyTorch from then on (here the encoder graph is made wrong)."""
+    onnx, plain = _decoders(tiny_model)
+    graph = onnx._encoder
+
+    class Off:
+        def run(self, names, feeds):
+            (kv,) = graph.run(names, feeds)
+            return [kv + 1.0]
+
+    onnx._encoder = Off()
+    onnx.warmup(SHAPES)
+    assert not onnx.onnx and "disagree" in caplog.text
+    plain.warmup(SHAPES)
+    pixels = _pixels(2, 128, seed=7)
+    assert torch.equal(onnx.decode(pixels).tokens, plain.decode(pixels).tokens)
