@@ -17,13 +17,18 @@ def recognize_requests_served(url: str) -> float:
     return total
 
 
-def test_closed_loop_over_two_processes_pools_every_request(server):
+def two_formulas() -> Workload:
+    """Uploads of two formula pictures in turn to /recognize."""
     images = [formula_png("x+1"), formula_png("a^2")]
-    workload = Workload(
+    return Workload(
         "POST",
         "/recognize",
         lambda i: {"files": {"image": ("f.png", images[i % 2], "image/png")}},
     )
+
+
+def test_closed_loop_over_two_processes_pools_every_request(server):
+    workload = two_formulas()
     before = recognize_requests_served(server.url)
     result = closed_loop_processes(
         server.url, workload, concurrency=4, duration_s=1.5, warmup_s=0, processes=2
@@ -38,12 +43,7 @@ def test_closed_loop_over_two_processes_pools_every_request(server):
 def test_open_loop_over_two_processes_pools_every_request_after_its_warmup(server):
     """Poisson arrivals from two processes at half the rate each: every recorded request
     once, each with its lateness; the warm-up's requests served but not recorded."""
-    images = [formula_png("x+1"), formula_png("a^2")]
-    workload = Workload(
-        "POST",
-        "/recognize",
-        lambda i: {"files": {"image": ("f.png", images[i % 2], "image/png")}},
-    )
+    workload = two_formulas()
     before = recognize_requests_served(server.url)
     result = open_loop_processes(
         server.url, workload, rate_rps=30, duration_s=1.0, warmup_s=0.5, processes=2
