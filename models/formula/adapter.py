@@ -326,7 +326,7 @@ class FormulaRecognizer(Model):
         decoder = None
         if OnnxStaticDecoder.supports(model):  # a float32 model on a CPU
             try:
-                decoder = OnnxStaticDecoder(model, example=pixels.float(), **sizes)
+                decoder = OnnxStaticDecoder(model, example=pixels, **sizes)
             except Exception as exc:  # an architecture the exporter does not take
                 log.warning("decoding with PyTorch: ONNX export failed (%s)", exc)
         if decoder is None:

@@ -2,8 +2,8 @@
 
 Why: on a CPU the static decoder runs eagerly, and a step of one row is a hundred-odd
 small PyTorch operations, each paying its dispatch; the encoder's products and attention
-run unfused. ONNX Runtime runs the same math as two optimized graphs, the same answers
-1.7-1.8x sooner for one request at a time (bench/RESULTS.md, `bench.cpu_onnx`).
+run unfused. ONNX Runtime runs the same math as two optimized graphs, with the same
+answers and sooner (measured in bench/RESULTS.md: `bench.cpu_onnx`, `bench.cpu`).
 
 How: `OnnxStaticDecoder` is `StaticGreedyDecoder` with two methods replaced. `_encode`
 runs the encoder graph (pixels to every decoder layer's cross-attention K and V); `_logits`
@@ -62,11 +62,7 @@ class _StepGraph(nn.Module):
         super().__init__()
         self.decoder = decoder.decoder
         self.projection = decoder.lm_head
-        self.heads, self.head_dim = decoder.num_heads, decoder.head_dim
-        self.embed = decoder._embed
-
-    def split(self, x: torch.Tensor) -> torch.Tensor:
-        return x.view(x.shape[0], -1, self.heads, self.head_dim).transpose(1, 2)
+        self.embed, self.split, self.merge = decoder._embed, decoder._heads, decoder._merge
 
     def forward(self, tokens, positions, self_mask, past_k, past_v, cross_k, cross_v, source_mask):
         hidden = self.embed(tokens, positions)  # [R, 1, E]
@@ -91,9 +87,6 @@ class _StepGraph(nn.Module):
             hidden = layer.final_layer_norm(hidden + feed_forward)
         return self.projection(hidden[:, 0]), torch.stack(new_k), torch.stack(new_v)
 
-    def merge(self, x: torch.Tensor) -> torch.Tensor:
-        return x.transpose(1, 2).reshape(x.shape[0], -1, self.heads * self.head_dim)
-
 
 def _session(graph: bytes, threads: int):
     import onnxruntime as ort
@@ -114,21 +107,17 @@ def _export(module: nn.Module, inputs: tuple, names: tuple[list, list], axes: di
     buffer = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _trace(module, inputs, names, axes, buffer)
+        torch.onnx.export(
+            module,
+            inputs,
+            buffer,
+            input_names=names[0],
+            output_names=names[1],
+            dynamic_axes=axes,
+            opset_version=18,
+            dynamo=False,
+        )
     return buffer.getvalue()
-
-
-def _trace(module, inputs, names, axes, buffer) -> None:
-    torch.onnx.export(
-        module,
-        inputs,
-        buffer,
-        input_names=names[0],
-        output_names=names[1],
-        dynamic_axes=axes,
-        opset_version=18,
-        dynamo=False,
-    )
 
 
 class OnnxStaticDecoder(StaticGreedyDecoder):
@@ -146,6 +135,7 @@ class OnnxStaticDecoder(StaticGreedyDecoder):
 
     def __init__(self, model, *, example: torch.Tensor, **kwargs) -> None:
         """`example`: pixels [1, C, H, W] of the model's input shape (any width)."""
+        self.onnx = False  # PyTorch's math until the graphs exist, and where they disagree
         super().__init__(model, **kwargs)
         threads = torch.get_num_threads()
         layers, heads, dim = len(self.decoder.layers), self.num_heads, self.head_dim
@@ -214,29 +204,26 @@ class OnnxStaticDecoder(StaticGreedyDecoder):
             pixels = torch.rand((2, *shape), generator=generator)
             expected = super()._encode(pixels)
             if not torch.allclose(self._encode(pixels), expected, rtol=1e-3, atol=1e-4):
-                return self._fall_back(f"the encoder at {shape} differs")
+                return self._fall_back(f"the encoder at {shape} differs", input_shapes)
         rows = min(2, self.max_batch_size)
         shape = input_shapes[0] if input_shapes else self._example_shape
         slots = self.admit(torch.rand((rows, *shape), generator=generator))
         self.tokens[:rows] = torch.tensor([self.start_id, self.pad_id][:rows])
         mask = torch.zeros(rows, 1, 1, 1)
         args = (rows, self.tokens[:rows], self.positions[:rows], mask, self._slot_source[0])
-        got = self._logits(*args)
-        self.onnx = False
-        expected = super()._logits(*args)
-        self.onnx = True
+        got, expected = self._logits(*args), super()._logits(*args)
         self.release(slots)
         if not torch.allclose(got, expected, rtol=1e-3, atol=1e-4):
-            return self._fall_back("a step differs")
+            return self._fall_back("a step differs", input_shapes)
         super().warmup(input_shapes)
 
-    def _fall_back(self, why: str) -> None:
+    def _fall_back(self, why: str, input_shapes) -> None:
         logger.warning("decoding with PyTorch: ONNX Runtime's graphs disagree (%s)", why)
         self.onnx = False
-        super().warmup()
+        super().warmup(input_shapes)
 
     def _encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        if not getattr(self, "onnx", False):  # exporting, measuring, or fallen back
+        if not self.onnx:
             return super()._encode(pixel_values)
         (kv,) = self._encoder.run(None, {"pixels": pixel_values.contiguous().numpy()})
         return torch.from_numpy(kv)
