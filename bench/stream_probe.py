@@ -114,11 +114,11 @@ def probe(recognizer: FormulaRecognizer, device, items: list, concurrency: int, 
     rows: list[int] = []
     joins: list[tuple[int, int]] = []  # (requests, width groups) per join
     device_times = DeviceTimes() if device.type == "cuda" else None
-    snapshot = decoder.snapshot
+    run = decoder.run
 
-    def counted_snapshot():  # one a check, whatever its runs
+    def counted_run():
         rows.append(decoder.running)
-        return snapshot()
+        run()
 
     join = recognizer.admit
 
@@ -127,12 +127,12 @@ def probe(recognizer: FormulaRecognizer, device, items: list, concurrency: int, 
         join(decoder, new, slot_rows, feed)
 
     joined = timed(phases, "join", counted_join)
-    ran = timed(phases, "run", decoder.run)
+    ran = timed(phases, "run", counted_run)
     if device_times is not None:
         joined, ran = device_times.wrap("join", joined), device_times.wrap("run", ran)
     patched = {
         "run": ran,
-        "snapshot": timed(phases, "snapshot", counted_snapshot),
+        "snapshot": timed(phases, "snapshot", decoder.snapshot),
         "harvest": timed(phases, "harvest", decoder.harvest),
     }
     for name, function in patched.items():

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One call on a one-GPU machine (device tool): does the formula stream gain from a look
+# Measured at 0841195 (bench/RESULTS.md, fifteenth session), the split removed after:
+# the script edits a constant that no longer exists. One call on a one-GPU machine
+# (device tool): does the formula stream gain from a look
 # that reads a snapshot taken part-way through its check? As committed (AHEAD_STEPS = 8
 # of CHECK_EVERY = 8, models/formula/fast_decode.py) the host queues a whole run after the
 # snapshot it harvests, so a row that ends keeps its slot for the rest of its run and the

@@ -443,31 +443,30 @@ class FormulaRecognizer(Model):
         requests join free rows, finished rows answer at once, rows whose clients went
         away are dropped.
 
-        On CUDA the host looks ahead: a check queues `steps_behind` steps, a snapshot, and
-        `steps_ahead` steps more before it harvests that snapshot (waiting for it alone),
-        so the device decodes while Python answers, uploads and relays; a finished row
-        keeps its slot until those steps are done (`AHEAD_STEPS`).
+        On CUDA the host stays one run ahead: it queues run N+1 before it harvests run
+        N (waiting only for run N's snapshot), so the device decodes while Python
+        answers, uploads and relays; a finished row keeps its slot one run longer.
         """
         rows: dict[int, tuple[int, float]] = {}  # slot -> (the feed's key, when it joined)
         ahead = decoder.device.type == "cuda" if self.stream_ahead is None else self.stream_ahead
-        behind, after = (
-            (decoder.steps_behind, decoder.steps_ahead) if ahead else (decoder.steps_per_check, 0)
-        )
+        pending = None  # the snapshot of the run before, not yet harvested
         try:
             with torch.inference_mode():
                 while True:
                     new = feed.take(decoder.free_slots)
                     if new:
                         self.admit(decoder, new, rows, feed)
-                    if not decoder.running:
+                    if not decoder.running and pending is None:
                         if feed.finish():
                             return
                         continue
                     with out_of_memory_as_batching_error():
-                        decoder.run(behind)
-                        latest = decoder.snapshot()
-                        decoder.run(after)
-                        finished = decoder.harvest(latest)
+                        latest = None
+                        if decoder.running:
+                            decoder.run()
+                            latest = decoder.snapshot()
+                        harvested, pending = (pending, latest) if ahead else (latest, None)
+                        finished = decoder.harvest(harvested) if harvested is not None else {}
                     now = time.perf_counter()
                     answers: list[tuple[int, Any]] = []
                     for slot, row in finished.items():

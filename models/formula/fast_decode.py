@@ -17,9 +17,8 @@ captured as a CUDA graph and each later step is one `replay()`. Greedy argmax,
 the EOS/limit bookkeeping and padding after a row's end happen inside the step,
 so on CUDA Python only synchronizes every `CHECK_EVERY` steps to see which rows are
 done (on a CPU, where looking costs nothing, after every step). A graph holds
-`steps_per_run` consecutive steps (on CUDA the most that divide both `CHECK_EVERY` and
-`AHEAD_STEPS`: all 8 as shipped), so one `replay()` (one Python call, one grab of the GIL
-that the event loop also wants) runs them all.
+`steps_per_run` consecutive steps (on CUDA all `CHECK_EVERY`), so one `replay()` (one
+Python call, one grab of the GIL that the event loop also wants) runs them all.
 On a CPU the same step runs eagerly, one at a time; it still skips
 `generate()`'s per-step overhead. With a bf16 model there, the KV cache and attention
 stay fp32 and the step's weights are reordered once for oneDNN (`_Projection`), which
@@ -33,13 +32,13 @@ step. A row's tokens depend only on its own image, whatever the other slots
 hold. `decode()` is one batch admitted at once and run to its end.
 
 The host need not wait for the device between runs either. `snapshot()` queues a
-copy of every row's state into pinned host memory behind the steps queued so far; a
-stream queues `steps_ahead` more steps (`AHEAD_STEPS`) before it `harvest(snapshot)`s,
-so the device works through them while Python answers the rows that had ended and
-uploads the next arrivals (with all of a check's steps ahead, a whole run). Nothing on
-that path synchronizes: index tensors travel through pinned memory, and a snapshot
-remembers which row each slot held (`_epoch`), so a slot harvested, released or refilled
-since is not reported twice.
+copy of every row's state into pinned host memory behind the run; a stream
+queues the next run first and only then `harvest(snapshot)`s the previous one,
+so the device works through run N+1 while Python answers the rows that ended in
+run N and uploads the next arrivals. Nothing on that path synchronizes: index
+tensors travel through pinned memory, and a snapshot remembers which row each
+slot held (`_epoch`), so a slot harvested, released or refilled since is not
+reported twice.
 
 The encoder gets the same treatment on CUDA. A served batch holds several width
 buckets, each encoded alone, so eager encoding met a new (rows, width) shape on
@@ -90,11 +89,6 @@ logger = logging.getLogger(__name__)
 
 # Steps between two host synchronizations (early-exit checks).
 CHECK_EVERY = 8
-# Of those, the steps a served stream queues after the snapshot its look reads: the device
-# runs them while the host answers the rows that finished and admits new ones, so it
-# never waits for the host, and a finished row keeps its slot until they are done. All
-# of CHECK_EVERY: the host stays one whole run ahead.
-AHEAD_STEPS = 8
 # Rows of every encoding with batch invariance (`StaticGreedyDecoder(batch_invariant=True)`).
 ENCODER_ROWS = 8
 
@@ -166,7 +160,6 @@ class StaticGreedyDecoder:
         max_source_len: int,
         use_cuda_graphs: bool | None = None,
         steps_per_run: int | None = None,
-        steps_ahead: int | None = None,
         pad_encoder_rows: bool | None = None,
         batch_invariant: bool = False,
     ) -> None:
@@ -197,10 +190,8 @@ class StaticGreedyDecoder:
         self.use_cuda_graphs = (
             self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         )
-        # Steps per replay (or eager call); a divisor of CHECK_EVERY and AHEAD_STEPS.
-        self.steps_per_run = steps_per_run or (
-            math.gcd(CHECK_EVERY, AHEAD_STEPS) if self.use_cuda_graphs else 1
-        )
+        # Steps per replay (or eager call); a divisor of CHECK_EVERY.
+        self.steps_per_run = steps_per_run or (CHECK_EVERY if self.use_cuda_graphs else 1)
         if CHECK_EVERY % self.steps_per_run:
             raise ValueError(f"steps_per_run must divide {CHECK_EVERY}")
         # Steps between two looks at which rows are done (and two chances for new rows to
@@ -208,13 +199,6 @@ class StaticGreedyDecoder:
         # on a CPU it waits for nothing, so it comes after every run: a finished row
         # stops costing steps and a new one joins without waiting out the others' steps.
         self.steps_per_check = CHECK_EVERY if self.device.type == "cuda" else self.steps_per_run
-        # A stream that looks ahead (`run(steps_behind)`, `snapshot()`, `run(steps_ahead)`,
-        # then `harvest()` that snapshot): how a check's steps fall on either side.
-        steps_ahead = AHEAD_STEPS if steps_ahead is None else steps_ahead
-        self.steps_ahead = min(steps_ahead, self.steps_per_check)
-        self.steps_behind = self.steps_per_check - self.steps_ahead
-        if self.steps_ahead % self.steps_per_run or self.steps_ahead < 1:
-            raise ValueError(f"steps_ahead must be a positive multiple of {self.steps_per_run}")
         # Encoder inputs padded to a batch bucket (few shapes, one graph each); on a
         # CPU there is no per-shape cost and padded rows would be real work.
         # Batch invariance: a row's answer must not depend on what else runs. On a GPU,
@@ -425,20 +409,17 @@ class StaticGreedyDecoder:
         self._live.update(slots)
         return slots
 
-    def run(self, steps: int | None = None) -> None:
-        """`steps` (default `steps_per_check`, a multiple of `steps_per_run`) steps of
-        every occupied slot (and the free ones below the highest, which idle)."""
-        steps = self.steps_per_check if steps is None else steps
-        if steps % self.steps_per_run:
-            raise ValueError(f"steps={steps} is not a multiple of {self.steps_per_run}")
-        if not self._live or not steps:
+    def run(self) -> None:
+        """`steps_per_check` steps of every occupied slot (and the free ones below the
+        highest, which idle)."""
+        if not self._live:
             return
         # Eagerly, no padding rows (but with batch invariance); a graph per bucket otherwise.
         rows = max(self._live) + 1
         padded = self.use_cuda_graphs or self.batch_invariant
         bucket = self._bucket_of(rows) if padded else rows
         run = self._runner(bucket)  # captures first if warmup() did not
-        for _ in range(steps // self.steps_per_run):
+        for _ in range(self.steps_per_check // self.steps_per_run):
             run()
 
     @torch.inference_mode()
