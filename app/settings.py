@@ -233,7 +233,9 @@ class Settings(BaseSettings):
 
     device: str = Field("auto", description="auto, cpu, cuda (every GPU) or cuda:N.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="auto is fp16/bf16 on GPUs and fp32 on the CPU."
+        "auto",
+        description="auto is fp16/bf16 on GPUs; on a CPU, bf16 where it has bf16 "
+        "instructions, else fp32 with the formula decoder's weights in int8.",
     )
     request_timeout_s: float = Field(
         60.0, gt=0, description="Deadline of a request from arrival; past it, 504."

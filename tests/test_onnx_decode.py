@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -22,6 +24,19 @@ def tiny_model(tmp_path_factory):
 
     folder = build_tiny_formula_model(tmp_path_factory.mktemp("tiny-formula"))
     return VisionEncoderDecoderModel.from_pretrained(folder).eval()
+
+
+@pytest.fixture(scope="module")
+def attentive_model(tiny_model):
+    """The tiny model with large cross-attention weights: its tokens depend on the image."""
+    model = copy.deepcopy(tiny_model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in model.decoder.model.decoder.layers:
+            cross = layer.encoder_attn
+            for linear in (cross.q_proj, cross.k_proj, cross.v_proj, cross.out_proj):
+                linear.weight.normal_(0.0, 1.0, generator=generator)
+    return model
 
 
 def _pixels(batch: int, width: int, seed: int) -> torch.Tensor:
@@ -86,3 +101,46 @@ def test_graphs_that_disagree_at_warmup_fall_back_to_pytorch(tiny_model, caplog)
     plain.warmup(SHAPES)
     pixels = _pixels(2, 128, seed=7)
     assert torch.equal(onnx.decode(pixels).tokens, plain.decode(pixels).tokens)
+
+
+def test_int8_steps_answer_each_row_as_alone(attentive_model) -> None:
+    """With int8 weights each row's activations are quantized in blocks of its own, so a
+    batch, and a row joining a running stream, answer as each row decodes alone."""
+    sizes = {"max_batch_size": 4, "max_new_tokens": 24, "max_source_len": SOURCE_LEN}
+    int8 = OnnxStaticDecoder(attentive_model, example=_pixels(1, 64, seed=0), int8=True, **sizes)
+    int8.warmup(SHAPES)
+    assert int8.onnx and int8._stepper is int8._int8_step
+    pixels = _pixels(4, 64, seed=8)
+    alone = [int8.decode(pixels[i : i + 1]).rows[0].tokens for i in range(4)]
+    assert len({tuple(tokens) for tokens in alone}) > 1, "rows must depend on their image"
+    assert [row.tokens for row in int8.decode(pixels).rows] == alone
+    slots = int8.admit(pixels[:3])
+    int8.run()
+    int8.run()
+    slots += int8.admit(pixels[3:])
+    answers = {}
+    while int8.running:
+        int8.run()
+        answers.update({slot: row.tokens for slot, row in int8.harvest().items()})
+    assert [answers[slot] for slot in slots] == alone
+
+
+def test_int8_steps_that_stray_fall_back_to_float32(tiny_model, caplog) -> None:
+    """Warm-up compares the int8 step with the float32 one; a model whose int8 logits
+    stray (here made to) decodes with the float32 graph, as `float32` would."""
+    sizes = {"max_batch_size": 4, "max_new_tokens": 24, "max_source_len": SOURCE_LEN}
+    int8 = OnnxStaticDecoder(tiny_model, example=_pixels(1, 64, seed=0), int8=True, **sizes)
+    graph = int8._int8_step
+
+    class Off:
+        def run(self, names, feeds):
+            logits, *kv = graph.run(names, feeds)
+            return [-logits, *kv]
+
+    int8._int8_step = Off()
+    int8.warmup(SHAPES)
+    assert int8.onnx and int8._stepper is int8._float_step and "int8" in caplog.text
+    plain = StaticGreedyDecoder(tiny_model, **sizes)
+    plain.warmup(SHAPES)
+    pixels = _pixels(2, 128, seed=9)
+    assert torch.equal(int8.decode(pixels).tokens, plain.decode(pixels).tokens)

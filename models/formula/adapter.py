@@ -325,8 +325,9 @@ class FormulaRecognizer(Model):
         }
         decoder = None
         if OnnxStaticDecoder.supports(model):  # a float32 model on a CPU
+            int8 = self.dtype_setting == "auto"  # float32 asked for: float32 throughout
             try:
-                decoder = OnnxStaticDecoder(model, example=pixels, **sizes)
+                decoder = OnnxStaticDecoder(model, example=pixels, int8=int8, **sizes)
             except Exception as exc:  # an architecture the exporter does not take
                 log.warning("decoding with PyTorch: ONNX export failed (%s)", exc)
         if decoder is None:

@@ -13,10 +13,16 @@ returns into the cache. Everything else (slots, admission, the greedy choice, fi
 harvest) is the parent's, so the stream, its tests and its answers carry over. Both
 graphs are exported from the loaded model when the decoder is made (a few seconds),
 float32 only: with a bf16 model the parent's oneDNN path is the fast one.
+
+With `int8`, a step's products read int8 weights (ONNX Runtime's dynamic quantization,
+`_quantized`): a step reads about a quarter of the bytes, and a step of one row is bound
+by reading the weights. The encoder stays float32: its products are large enough to be
+bound by arithmetic, where quantizing the activations as well costs what it saves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import warnings
@@ -120,6 +126,44 @@ def _export(module: nn.Module, inputs: tuple, names: tuple[list, list], axes: di
     return buffer.getvalue()
 
 
+def _quantized(graph: bytes) -> bytes:
+    """The graph with its products' weights in int8, in blocks of 32 along each input
+    (ONNX Runtime's MatMulNBits). Each row's activations are quantized per block of its
+    own at run time (`accuracy_level` 4: int8 products), so a row's answer does not
+    depend on the rows beside it, as with float32."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    with _quiet():
+        quantizer = MatMulNBitsQuantizer(
+            onnx.load_from_string(graph), bits=8, block_size=32, is_symmetric=True,
+            accuracy_level=4,
+        )  # fmt: skip
+        quantizer.process()
+    return quantizer.model.model.SerializeToString()
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The quantizer's progress kept out of the server's log."""
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _close_int8(int8: torch.Tensor, float32: torch.Tensor) -> bool:
+    """Whether int8 logits keep float32's choice in every row and stay within a few
+    percent of its range: what weights quantized per channel give a model without
+    outlying activations (a model with them gets float32)."""
+    spread = float32.amax(-1, keepdim=True) - float32.amin(-1, keepdim=True)
+    return bool(
+        torch.equal(int8.argmax(-1), float32.argmax(-1))
+        and ((int8 - float32).abs() <= 0.05 * spread).all()
+    )
+
+
 class OnnxStaticDecoder(StaticGreedyDecoder):
     """`StaticGreedyDecoder` on a CPU, its encoder and step math run by ONNX Runtime."""
 
@@ -133,8 +177,9 @@ class OnnxStaticDecoder(StaticGreedyDecoder):
             and available()
         )
 
-    def __init__(self, model, *, example: torch.Tensor, **kwargs) -> None:
-        """`example`: pixels [1, C, H, W] of the model's input shape (any width)."""
+    def __init__(self, model, *, example: torch.Tensor, int8: bool = False, **kwargs) -> None:
+        """`example`: pixels [1, C, H, W] of the model's input shape (any width); `int8`:
+        steps with int8 weights (checked at warm-up against the float32 graph)."""
         self.onnx = False  # PyTorch's math until the graphs exist, and where they disagree
         super().__init__(model, **kwargs)
         threads = torch.get_num_threads()
@@ -166,27 +211,27 @@ class OnnxStaticDecoder(StaticGreedyDecoder):
             names += ["cross_k", "cross_v", "source_mask"]
             rows_c = {1: "rows", 3: "cache"}
             rows_s = {1: "rows", 3: "source"}
-            self._stepper = _session(
-                _export(
-                    _StepGraph(self).eval(),
-                    step,
-                    (names, ["logits", "new_k", "new_v"]),
-                    {
-                        "tokens": {0: "rows"},
-                        "positions": {0: "rows"},
-                        "self_mask": {0: "rows", 3: "cache"},
-                        "past_k": rows_c,
-                        "past_v": rows_c,
-                        "cross_k": rows_s,
-                        "cross_v": rows_s,
-                        "source_mask": {0: "rows", 3: "source"},
-                        "logits": {0: "rows"},
-                        "new_k": {1: "rows"},
-                        "new_v": {1: "rows"},
-                    },
-                ),
-                threads,
+            graph = _export(
+                _StepGraph(self).eval(),
+                step,
+                (names, ["logits", "new_k", "new_v"]),
+                {
+                    "tokens": {0: "rows"},
+                    "positions": {0: "rows"},
+                    "self_mask": {0: "rows", 3: "cache"},
+                    "past_k": rows_c,
+                    "past_v": rows_c,
+                    "cross_k": rows_s,
+                    "cross_v": rows_s,
+                    "source_mask": {0: "rows", 3: "source"},
+                    "logits": {0: "rows"},
+                    "new_k": {1: "rows"},
+                    "new_v": {1: "rows"},
+                },
             )
+            self._float_step = _session(graph, threads)
+            self._int8_step = _session(_quantized(graph), threads) if int8 else None
+        self._stepper = self._int8_step or self._float_step
         self._example_shape = tuple(example.shape[1:])
         self.onnx = True  # until warm-up finds a width its graphs do not reproduce
         # The cross-attention K/V of the rows a step reads, contiguous for ONNX Runtime:
@@ -211,10 +256,17 @@ class OnnxStaticDecoder(StaticGreedyDecoder):
         self.tokens[:rows] = torch.tensor([self.start_id, self.pad_id][:rows])
         mask = torch.zeros(rows, 1, 1, 1)
         args = (rows, self.tokens[:rows], self.positions[:rows], mask, self._slot_source[0])
+        self._stepper = self._float_step
         got, expected = self._logits(*args), super()._logits(*args)
+        if self._int8_step is not None:
+            self._stepper = self._int8_step
+            int8 = self._logits(*args)
         self.release(slots)
         if not torch.allclose(got, expected, rtol=1e-3, atol=1e-4):
             return self._fall_back("a step differs", input_shapes)
+        if self._int8_step is not None and not _close_int8(int8, got):
+            logger.warning("decoding in float32: the int8 step strays from it")
+            self._stepper = self._float_step
         super().warmup(input_shapes)
 
     def _fall_back(self, why: str, input_shapes) -> None:
