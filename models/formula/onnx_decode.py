@@ -107,6 +107,20 @@ def _session(graph: bytes, threads: int):
     return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
 
 
+class _Steps:
+    """A step graph's two sessions: one thread for a row alone, whose products are too
+    small to share (waking a second thread costs more than it saves), and every thread
+    for more rows. The thread count does not change a result."""
+
+    def __init__(self, graph: bytes, threads: int) -> None:
+        self.lone = _session(graph, 1)
+        self.many = _session(graph, threads) if threads > 1 else self.lone
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        session = self.lone if len(feeds["tokens"]) == 1 else self.many
+        return session.run(None, feeds)
+
+
 def _export(module: nn.Module, inputs: tuple, names: tuple[list, list], axes: dict) -> bytes:
     """The module traced into an ONNX graph. The tracer's warnings (values it records as
     constants) are not printed: warm-up checks the graphs against PyTorch instead."""
@@ -229,8 +243,8 @@ class OnnxStaticDecoder(StaticGreedyDecoder):
                     "new_v": {1: "rows"},
                 },
             )
-            self._float_step = _session(graph, threads)
-            self._int8_step = _session(_quantized(graph), threads) if int8 else None
+            self._float_step = _Steps(graph, threads)
+            self._int8_step = _Steps(_quantized(graph), threads) if int8 else None
         self._stepper = self._int8_step or self._float_step
         self._example_shape = tuple(example.shape[1:])
         self.onnx = True  # until warm-up finds a width its graphs do not reproduce
@@ -297,7 +311,6 @@ class OnnxStaticDecoder(StaticGreedyDecoder):
             )
         _, cross_k, cross_v = self._cross_inputs
         logits, new_k, new_v = self._stepper.run(
-            None,
             {
                 "tokens": tokens.numpy(),
                 "positions": positions.numpy(),
