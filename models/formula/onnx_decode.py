@@ -244,7 +244,12 @@ class OnnxStaticDecoder(StaticGreedyDecoder):
                 },
             )
             self._float_step = _Steps(graph, threads)
-            self._int8_step = _Steps(_quantized(graph), threads) if int8 else None
+            self._int8_step = None
+            if int8:
+                try:
+                    self._int8_step = _Steps(_quantized(graph), threads)
+                except Exception as exc:  # a quantizer too old, or missing its parts
+                    logger.warning("decoding in float32: int8 quantization failed (%s)", exc)
         self._stepper = self._int8_step or self._float_step
         self._example_shape = tuple(example.shape[1:])
         self.onnx = True  # until warm-up finds a width its graphs do not reproduce
