@@ -44,9 +44,9 @@ def _pixels(batch: int, width: int, seed: int) -> torch.Tensor:
     return torch.randn(batch, 1, 32, width, generator=generator)
 
 
-def _decoders(model):
+def _decoders(model, int8: bool = False):
     sizes = {"max_batch_size": 4, "max_new_tokens": 24, "max_source_len": SOURCE_LEN}
-    onnx = OnnxStaticDecoder(model, example=_pixels(1, 64, seed=0), **sizes)
+    onnx = OnnxStaticDecoder(model, example=_pixels(1, 64, seed=0), int8=int8, **sizes)
     plain = StaticGreedyDecoder(model, **sizes)
     return onnx, plain
 
@@ -106,8 +106,7 @@ def test_graphs_that_disagree_at_warmup_fall_back_to_pytorch(tiny_model, caplog)
 def test_int8_steps_answer_each_row_as_alone(attentive_model) -> None:
     """With int8 weights each row's activations are quantized in blocks of its own, so a
     batch, and a row joining a running stream, answer as each row decodes alone."""
-    sizes = {"max_batch_size": 4, "max_new_tokens": 24, "max_source_len": SOURCE_LEN}
-    int8 = OnnxStaticDecoder(attentive_model, example=_pixels(1, 64, seed=0), int8=True, **sizes)
+    int8, _ = _decoders(attentive_model, int8=True)
     int8.warmup(SHAPES)
     assert int8.onnx and int8._stepper is int8._int8_step
     pixels = _pixels(4, 64, seed=8)
@@ -128,8 +127,7 @@ def test_int8_steps_answer_each_row_as_alone(attentive_model) -> None:
 def test_int8_steps_that_stray_fall_back_to_float32(tiny_model, caplog) -> None:
     """Warm-up compares the int8 step with the float32 one; a model whose int8 logits
     stray (here made to) decodes with the float32 graph, as `float32` would."""
-    sizes = {"max_batch_size": 4, "max_new_tokens": 24, "max_source_len": SOURCE_LEN}
-    int8 = OnnxStaticDecoder(tiny_model, example=_pixels(1, 64, seed=0), int8=True, **sizes)
+    int8, plain = _decoders(tiny_model, int8=True)
     graph = int8._int8_step
 
     class Off:
@@ -140,7 +138,6 @@ def test_int8_steps_that_stray_fall_back_to_float32(tiny_model, caplog) -> None:
     int8._int8_step = Off()
     int8.warmup(SHAPES)
     assert int8.onnx and int8._stepper is int8._float_step and "int8" in caplog.text
-    plain = StaticGreedyDecoder(tiny_model, **sizes)
     plain.warmup(SHAPES)
     pixels = _pixels(2, 128, seed=9)
     assert torch.equal(int8.decode(pixels).tokens, plain.decode(pixels).tokens)

@@ -14,10 +14,9 @@ harvest) is the parent's, so the stream, its tests and its answers carry over. B
 graphs are exported from the loaded model when the decoder is made (a few seconds),
 float32 only: with a bf16 model the parent's oneDNN path is the fast one.
 
-With `int8`, a step's products read int8 weights (ONNX Runtime's dynamic quantization,
-`_quantized`): a step reads about a quarter of the bytes, and a step of one row is bound
-by reading the weights. The encoder stays float32: its products are large enough to be
-bound by arithmetic, where quantizing the activations as well costs what it saves.
+With `int8`, a step's products read int8 weights (`_quantized`): a step reads about a
+quarter of the bytes, and a step of one row is bound by reading the weights. The encoder
+stays float32: its products are bound by arithmetic, where int8 did not pay.
 """
 
 from __future__ import annotations
@@ -169,8 +168,8 @@ def _quiet():
 
 def _close_int8(int8: torch.Tensor, float32: torch.Tensor) -> bool:
     """Whether int8 logits keep float32's choice in every row and stay within a few
-    percent of its range: what weights quantized per channel give a model without
-    outlying activations (a model with them gets float32)."""
+    percent of its range: what int8 weights give a model without outlying activations
+    (a model with them gets float32)."""
     spread = float32.amax(-1, keepdim=True) - float32.amin(-1, keepdim=True)
     return bool(
         torch.equal(int8.argmax(-1), float32.argmax(-1))
