@@ -51,10 +51,10 @@ class _EncoderGraph(nn.Module):
     def __init__(self, decoder: StaticGreedyDecoder) -> None:
         super().__init__()
         self.model = decoder.model  # registered: its weights become the graph's
-        self.encode = decoder._encode
+        self.decoder = [decoder]  # not a submodule: the model is registered above
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.encode(pixels)
+        return StaticGreedyDecoder._encode(self.decoder[0], pixels)  # PyTorch's math
 
 
 class _StepGraph(nn.Module):
@@ -139,6 +139,54 @@ def _export(module: nn.Module, inputs: tuple, names: tuple[list, list], axes: di
     return buffer.getvalue()
 
 
+def _graphs(decoder: StaticGreedyDecoder, example: torch.Tensor) -> tuple[bytes, bytes]:
+    """The encoder's and the step's float32 graphs, traced from `decoder`'s PyTorch math
+    with `example` pixels [1, C, H, W]."""
+    layers, heads, dim = len(decoder.decoder.layers), decoder.num_heads, decoder.head_dim
+    cross = StaticGreedyDecoder._encode(decoder, example)
+    source = cross.shape[-2]
+    encoder = _export(
+        _EncoderGraph(decoder).eval(),
+        (example,),
+        (["pixels"], ["kv"]),
+        {"pixels": {0: "rows", 3: "width"}, "kv": {2: "rows", 4: "source"}},
+    )
+    cache = torch.zeros(layers, 1, heads, 2, dim)
+    step = (
+        torch.tensor([decoder.start_id]),
+        torch.tensor([0]),
+        torch.zeros(1, 1, 1, 2),
+        cache,
+        cache,
+        cross[0],
+        cross[1],
+        torch.zeros(1, 1, 1, source),
+    )
+    names = ["tokens", "positions", "self_mask", "past_k", "past_v"]
+    names += ["cross_k", "cross_v", "source_mask"]
+    rows_c = {1: "rows", 3: "cache"}
+    rows_s = {1: "rows", 3: "source"}
+    graph = _export(
+        _StepGraph(decoder).eval(),
+        step,
+        (names, ["logits", "new_k", "new_v"]),
+        {
+            "tokens": {0: "rows"},
+            "positions": {0: "rows"},
+            "self_mask": {0: "rows", 3: "cache"},
+            "past_k": rows_c,
+            "past_v": rows_c,
+            "cross_k": rows_s,
+            "cross_v": rows_s,
+            "source_mask": {0: "rows", 3: "source"},
+            "logits": {0: "rows"},
+            "new_k": {1: "rows"},
+            "new_v": {1: "rows"},
+        },
+    )
+    return encoder, graph
+
+
 def _quantized(graph: bytes) -> bytes:
     """The graph with its products' weights in int8, in blocks of 32 along each input
     (ONNX Runtime's MatMulNBits). Each row's activations are quantized per block of its
@@ -196,59 +244,16 @@ class OnnxStaticDecoder(StaticGreedyDecoder):
         self.onnx = False  # PyTorch's math until the graphs exist, and where they disagree
         super().__init__(model, **kwargs)
         threads = torch.get_num_threads()
-        layers, heads, dim = len(self.decoder.layers), self.num_heads, self.head_dim
         with torch.no_grad():
-            cross = self._encode(example)
-            source = cross.shape[-2]
-            self._encoder = _session(
-                _export(
-                    _EncoderGraph(self).eval(),
-                    (example,),
-                    (["pixels"], ["kv"]),
-                    {"pixels": {0: "rows", 3: "width"}, "kv": {2: "rows", 4: "source"}},
-                ),
-                threads,
-            )
-            cache = torch.zeros(layers, 1, heads, 2, dim)
-            step = (
-                torch.tensor([self.start_id]),
-                torch.tensor([0]),
-                torch.zeros(1, 1, 1, 2),
-                cache,
-                cache,
-                cross[0],
-                cross[1],
-                torch.zeros(1, 1, 1, source),
-            )
-            names = ["tokens", "positions", "self_mask", "past_k", "past_v"]
-            names += ["cross_k", "cross_v", "source_mask"]
-            rows_c = {1: "rows", 3: "cache"}
-            rows_s = {1: "rows", 3: "source"}
-            graph = _export(
-                _StepGraph(self).eval(),
-                step,
-                (names, ["logits", "new_k", "new_v"]),
-                {
-                    "tokens": {0: "rows"},
-                    "positions": {0: "rows"},
-                    "self_mask": {0: "rows", 3: "cache"},
-                    "past_k": rows_c,
-                    "past_v": rows_c,
-                    "cross_k": rows_s,
-                    "cross_v": rows_s,
-                    "source_mask": {0: "rows", 3: "source"},
-                    "logits": {0: "rows"},
-                    "new_k": {1: "rows"},
-                    "new_v": {1: "rows"},
-                },
-            )
-            self._float_step = _Steps(graph, threads)
-            self._int8_step = None
-            if int8:
-                try:
-                    self._int8_step = _Steps(_quantized(graph), threads)
-                except Exception as exc:  # a quantizer too old, or missing its parts
-                    logger.warning("decoding in float32: int8 quantization failed (%s)", exc)
+            encoder, graph = _graphs(self, example)
+            self._encoder = _session(encoder, threads)
+        self._float_step = _Steps(graph, threads)
+        self._int8_step = None
+        if int8:
+            try:
+                self._int8_step = _Steps(_quantized(graph), threads)
+            except Exception as exc:  # a quantizer too old, or missing its parts
+                logger.warning("decoding in float32: int8 quantization failed (%s)", exc)
         self._stepper = self._int8_step or self._float_step
         self._example_shape = tuple(example.shape[1:])
         self.onnx = True  # until warm-up finds a width its graphs do not reproduce
