@@ -178,3 +178,55 @@ def test_a_merged_token_starts_at_the_mean_of_its_parts(tmp_path) -> None:
         parts = [ids[part] for part in merged.split()]
         assert torch.allclose(rows[ids[merged]], before[parts].mean(dim=0))
     assert torch.equal(model.decoder.get_output_embeddings().weight, rows)  # tied
+
+
+def test_averaged_checkpoints_are_the_mean_in_the_saved_dtype_and_load(tmp_path) -> None:
+    from safetensors.torch import load_file
+    from transformers import VisionEncoderDecoderModel
+
+    from training.formula.average import main as average
+    from training.tiny import build_tiny_formula_model
+
+    first = build_tiny_formula_model(tmp_path / "a")
+    model = VisionEncoderDecoderModel.from_pretrained(first)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    model.half().save_pretrained(tmp_path / "b")
+    VisionEncoderDecoderModel.from_pretrained(first).half().save_pretrained(tmp_path / "a16")
+    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
+        (tmp_path / "b" / name).write_bytes((first / name).read_bytes())
+        (tmp_path / "a16" / name).write_bytes((first / name).read_bytes())
+
+    average(["--out", str(tmp_path / "mean"), str(tmp_path / "a16"), str(tmp_path / "b")])
+
+    a = load_file(tmp_path / "a16" / "model.safetensors")
+    b = load_file(tmp_path / "b" / "model.safetensors")
+    mean = load_file(tmp_path / "mean" / "model.safetensors")
+    assert mean.keys() == a.keys()
+    for key, value in mean.items():
+        assert value.dtype == a[key].dtype == torch.float16
+        expected = ((a[key].float() + b[key].float()) / 2).half()
+        assert torch.equal(value, expected), key
+    assert any(not torch.equal(mean[k], a[k]) for k in a), "nothing was averaged"
+    VisionEncoderDecoderModel.from_pretrained(tmp_path / "mean")  # a complete model
+
+
+def test_checkpoints_of_other_vocabularies_are_not_averaged(tmp_path) -> None:
+    import pytest
+
+    from training.formula.average import main as average
+    from training.tiny import build_tiny_formula_model
+
+    first = build_tiny_formula_model(tmp_path / "a")
+    other = tmp_path / "b"
+    other.mkdir()
+    for path in first.iterdir():
+        (other / path.name).write_bytes(path.read_bytes())
+    tokenizer = (other / "tokenizer.json").read_text()
+    (other / "tokenizer.json").write_text(tokenizer.replace('"\\\\frac"', '"\\\\dfrac"', 1))
+    assert (other / "tokenizer.json").read_text() != tokenizer
+
+    with pytest.raises(SystemExit, match="differs"):
+        average(["--out", str(tmp_path / "mean"), str(first), str(other)])
+    assert not (tmp_path / "mean").exists()
