@@ -220,7 +220,8 @@ class Runtime:
     async def prepare(self, key: str, request: Any, trace: RequestTrace) -> Any:
         """A request of model `key` through its request stages: the engine's payload."""
         model = self.model(key)
-        return await self._stages(model, model.request_stages(), request, trace)
+        quick = model.quick_request(request)
+        return await self._stages(model, model.request_stages(), request, trace, quick)
 
     async def complete(
         self,

@@ -28,7 +28,7 @@ from pathlib import Path
 from bench.common import commit, formula_images, machine
 from bench.compare import json_workload
 from bench.connection_spread import by_role, cpu_seconds
-from bench.load import closed_loop_processes
+from bench.load import closed_loop_processes, open_loop_processes
 from bench.server import ROOT, ServerProcess
 
 CONFIGS = {
@@ -88,7 +88,12 @@ def measure(env: dict[str, str], args, images: list[bytes]) -> dict:
         workload = json_workload("/recognize", images)
         closed_loop_processes(server.url, workload, args.concurrency, args.warmup, 0.5, 1)
         before = cpu_by_role(server.process.pid, server.port)
-        result = closed_loop_processes(server.url, workload, args.concurrency, args.duration, 0, 1)
+        if args.rate:
+            result = open_loop_processes(server.url, workload, args.rate, args.duration, 0, 1)
+        else:
+            result = closed_loop_processes(
+                server.url, workload, args.concurrency, args.duration, 0, 1
+            )
         after = cpu_by_role(server.process.pid, server.port)
     finally:
         server.stop()
@@ -96,6 +101,8 @@ def measure(env: dict[str, str], args, images: list[bytes]) -> dict:
     per_request = 1000 / max(1, summary["requests"])
     return {
         "throughput_rps": summary["throughput_rps"],
+        "p50_ms": summary["p50_ms"],
+        "p99_ms": summary["p99_ms"],
         "requests": summary["requests"],
         "errors": summary["errors"],
         **{
@@ -114,6 +121,9 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     parser.add_argument("--images", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument(
+        "--rate", type=float, default=0.0, help="Poisson arrivals a second instead of a closed loop"
+    )
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each configuration")
@@ -129,17 +139,22 @@ def main() -> None:
         serve_instant(args.host, args.port)
         return
     images = formula_images(args.data, args.images)
-    print(f"{machine()}; commit {commit()}; concurrency {args.concurrency}, {args.duration:g} s\n")
-    print("| configuration | requests/s | CPU ms per request: HTTP processes | engine | launcher |")
-    print("|---|---|---|---|---|")
+    load = f"Poisson {args.rate:g}/s" if args.rate else f"concurrency {args.concurrency}"
+    print(f"{machine()}; commit {commit()}; {load}, {args.duration:g} s\n")
+    print(
+        "| configuration | requests/s | p50 / p99 ms "
+        "| CPU ms per request: HTTP processes | engine | launcher |"
+    )
+    print("|---|---|---|---|---|---|")
     for name in args.only:
         env = CONFIGS[name]
         runs = [measure(env, args, images) for _ in range(args.repeats)]
-        record = {"configuration": name, "env": env, "runs": runs, "commit": commit()}
+        record = {"configuration": name, "env": env, "load": load, "runs": runs, "commit": commit()}
         print(json.dumps(record), file=sys.stderr)
         rates = ", ".join(f"{r['throughput_rps']:.0f}" for r in runs)
+        latency = ", ".join(f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f}" for r in runs)
         cpu = " | ".join(_column(runs, f"{role}_cpu_ms_per_request") for role in ROLES)
-        print(f"| {name} | {rates} | {cpu} |", flush=True)
+        print(f"| {name} | {rates} | {latency} | {cpu} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ A `Model` is used on two sides of the engine protocol, like LitServe's `LitAPI`:
   engine answers, the `response_stages` (the engine's output to the route's result).
   Each stage runs on a thread pool and is traced and timed under its name; response
   stages that take microseconds (`quick_response`) run on the event loop instead, so an
-  answer does not queue behind other requests' milliseconds of preprocessing.
+  answer does not queue behind other requests' milliseconds of preprocessing, and so do
+  the request stages of a request the model calls cheap (`quick_request`: a small
+  picture), whose hand-off to the pool and back would cost more than the work.
 
 Payloads and outputs cross the engine protocol: they are dataclasses or msgspec structs
 of plain values and numpy arrays, with `payload_type` and `output_type` naming them.
@@ -117,6 +119,11 @@ class Model(ABC):
 
     def attach(self, description: dict[str, Any]) -> None:  # noqa: B027 - optional hook
         """Take what the engine's `describe` said of the loaded model."""
+
+    def quick_request(self, request: Any) -> bool:
+        """Whether this request's stages take so little (about a millisecond) that they
+        run on the event loop instead of the thread pool; by default never."""
+        return False
 
     @abstractmethod
     def request_stages(self) -> list[Stage]:

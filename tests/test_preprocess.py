@@ -598,3 +598,15 @@ def test_an_xy_cut_finds_each_slice_and_each_piece_stacked_in_it():
         (1, 4, 2, 5), (7, 11, 2, 5), (0, 12, 9, 10), (5, 6, 12, 16)
     ]  # fmt: skip
     assert all(len(part) == 0 for part in _pieces(np.zeros((4, 4), dtype=bool)))
+
+
+def test_a_pngs_pixels_are_read_from_its_header_and_nothing_else_claims_any() -> None:
+    from models.formula.preprocess import png_pixels
+    from tests.conftest import formula_png
+
+    png = formula_png(size=(321, 47))
+    assert png_pixels(png) == 321 * 47
+    assert png_pixels(png[:23]) is None  # too short to hold the size
+    assert png_pixels(formula_png(size=(321, 47), fmt="JPEG")) is None
+    assert png_pixels(formula_png(size=(321, 47), fmt="WEBP")) is None
+    assert png_pixels(b"\x89PNG\r\n\x1a\n" + b"\x00" * 16) is None  # no IHDR first

@@ -290,3 +290,58 @@ def test_a_formulas_answer_does_not_queue_behind_preprocessing_in_the_http_proce
             model.preprocess = preprocess
     assert response.status_code == 200, response.text
     assert took < 20, f"answered after {took:.1f} s: behind the busy thread"
+
+
+def test_a_small_png_is_preprocessed_on_the_event_loop_and_larger_pictures_on_the_pool(
+    tiny_models,
+):
+    """A picture of a few thousand pixels costs less to preprocess than handing it to the
+    thread pool and back; a large one, or one whose size the upload does not say (JPEG),
+    must not hold the event loop, so it goes to the pool. Both answer alike."""
+    from app.launcher import single_process_app
+    from app.settings import Settings
+    from models.formula.adapter import QUICK_PIXELS
+    from tests.server import serving_in_thread
+
+    settings = Settings(
+        device="cpu",
+        formula={"model": str(tiny_models["formula"]), "cache_mb": 0},
+        image={"enabled": False, "model": str(tiny_models["image"])},
+    )
+    app = single_process_app(settings)
+    large = (1000, QUICK_PIXELS // 1000 + 1)
+    uploads = {
+        "small png": formula_png(),
+        "large png": formula_png(size=large),
+        "small jpeg": formula_png(fmt="JPEG"),
+    }
+    threads: dict[str, str] = {}
+    answers: dict[str, str] = {}
+    with serving_in_thread(app) as url:
+        model = app.state.runtime.models["formula"]
+        preprocess = model.preprocess
+        for name, data in uploads.items():
+
+            def recorded(upload: bytes, name=name):
+                threads[name] = threading.current_thread().name
+                return preprocess(upload)
+
+            model.preprocess = recorded
+            try:
+                files = {"image": ("f", data, "image/png")}
+                response = httpx.post(url + "/recognize", files=files, timeout=60)
+            finally:
+                model.preprocess = preprocess
+            assert response.status_code == 200, response.text
+            answers[name] = response.json()["latex"]
+        # The same small picture through the pool reads the same.
+        model.quick_request = lambda request: False
+        try:
+            files = {"image": ("f", uploads["small png"], "image/png")}
+            pooled = httpx.post(url + "/recognize", files=files, timeout=60).json()["latex"]
+        finally:
+            del model.quick_request
+    assert not threads["small png"].startswith("texel-http"), threads
+    assert threads["large png"].startswith("texel-http"), threads
+    assert threads["small jpeg"].startswith("texel-http"), threads
+    assert pooled == answers["small png"]

@@ -47,10 +47,18 @@ from models.formula.preprocess import (
     bucket_width,
     normalize_pixels,
     pad_strips,
+    png_pixels,
 )
 from telemetry import metrics
 
 log = logging.getLogger(__name__)
+
+# PNG uploads up to this many pixels (a formula screenshot at twice the scale, and more)
+# are preprocessed on the HTTP process's event loop: about a millisecond of work, less
+# than handing it to the thread pool and back costs (bench/RESULTS.md). Larger pictures,
+# and other formats, whose size the upload does not tell without opening it, go to the
+# pool, so that no picture holds the loop long.
+QUICK_PIXELS = 100_000
 
 # Encoders whose position information copes with any input width.
 VARIABLE_WIDTH_ENCODERS = frozenset({"swin", "donut-swin", "swinv2"})
@@ -217,6 +225,10 @@ class FormulaRecognizer(Model):
     def preprocess(self, data: bytes) -> FormulaInput:
         """Decode and normalize one upload."""
         return self.preprocessor(data)
+
+    def quick_request(self, data: bytes) -> bool:
+        pixels = png_pixels(data)
+        return pixels is not None and pixels <= QUICK_PIXELS
 
     def request_stages(self) -> list[Stage]:
         return [("preprocess", self.preprocess)]

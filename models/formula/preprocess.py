@@ -28,6 +28,7 @@ from models.errors import CorruptImage, ImageTooLarge, UnsupportedImage
 
 ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "WEBP", "BMP", "GIF"})
 EXIF_ORIENTATION = 0x0112
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 # Pixels darker than this count as ink when trimming margins (0 = black, 255 = white).
 INK_THRESHOLD = 200
@@ -164,6 +165,14 @@ class FormulaImageSpec:
             "texel_glyph_height": self.glyph_height,
             "texel_max_skew": self.max_skew,
         }
+
+
+def png_pixels(data: bytes) -> int | None:
+    """Width times height from a PNG's header (its first chunk, IHDR), without opening
+    it; None for anything else or a header too short to say."""
+    if len(data) < 24 or not data.startswith(PNG_SIGNATURE) or data[12:16] != b"IHDR":
+        return None
+    return int.from_bytes(data[16:20], "big") * int.from_bytes(data[20:24], "big")
 
 
 def decode_image(data: bytes, max_pixels: int) -> Image.Image:
