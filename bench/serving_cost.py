@@ -1,6 +1,7 @@
 """What Texel's serving path itself costs in CPU per request, without the model's compute.
 
     python -m bench.serving_cost --concurrency 16 --duration 10
+    python -m bench.serving_cost --rate 350 --duration 10     # Poisson arrivals instead
 
 Texel is started as `texel serve` with the real formula model loaded, but its batch
 computation replaced by a canned answer (`serve_instant` below), so what remains is
@@ -11,10 +12,11 @@ engine process spawned by the launcher (which imports it again as its main modul
 it too. Each configuration runs in a fresh server; the table lists requests/s and CPU
 milliseconds per request of each kind of process: HTTP processes (those listening on
 the port), the engine process where it is one of its own, and the launcher where it is
-not also the HTTP process. The figure that matters on a GPU is the HTTP processes' CPU
-per request (bench/RESULTS.md): with `TEXEL_HTTP_PROCESSES=2` the CPU runs the GPU's
-plan, an engine process apart. Throughput on a 2-core machine is bounded by the client
-sharing it; CPU per request is not.
+not also the HTTP process, with the load's p50 and p99 latency. The figure that
+matters on a GPU is the HTTP processes' CPU per request (bench/RESULTS.md): with
+`TEXEL_HTTP_PROCESSES=2` the CPU runs the GPU's plan, an engine process apart.
+Throughput on a 2-core machine is bounded by the client sharing it; CPU per request is
+not.
 """
 
 from __future__ import annotations
