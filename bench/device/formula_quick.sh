@@ -3,7 +3,7 @@
 # machine (device tool): do small pictures preprocessed on the HTTP processes' event loop
 # (QUICK_PIXELS = 100,000 in models/formula/adapter.py, since de07dc7) serve more
 # formulas at 256 in flight than every picture handed to the thread pool (QUICK_PIXELS =
-# 0, as before)? On the development CPU the HTTP processes' CPU a request fell 6-7%
+# 0, as before)? On the development CPU the HTTP processes' CPU a request fell
 # (bench/RESULTS.md); on an H100 that CPU is what served formulas at 256 wait for. The
 # variant is the constant edited in the device's copy of the tree (commit label
 # COMMIT-pool), then put back; alternated pool, loop, pool, loop. Served Texel with
