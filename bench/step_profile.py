@@ -6,7 +6,7 @@ Loads the formula model on the default device as the server does (`FormulaRecogn
 warmed up for `--rows` rows), admits `--rows` real formula images into its static decoder
 and then:
 
-- times `run()` (8 steps: one CUDA graph replay on a GPU), per step;
+- times `run()` (CHECK_EVERY steps: one CUDA graph replay on a GPU), per step;
 - times the same with a decoder whose buffers end at the admitted rows' longest source
   instead of the widest bucket's (cross-attention reads every row's whole source buffer
   each step), to size source-length buckets before building them;
@@ -114,7 +114,10 @@ def main() -> None:
     parser.add_argument("--model", default=str(ROOT / "models" / "formula" / "default"))
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument(
-        "--repeats", type=int, default=20, help="runs timed (8 steps each on a GPU, one on a CPU)"
+        "--repeats",
+        type=int,
+        default=20,
+        help="runs timed (CHECK_EVERY steps each on a GPU, one on a CPU)",
     )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--sweep", default=None, help="row counts, comma-separated")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.formula.fast_decode import StaticGreedyDecoder
+from models.formula.fast_decode import CHECK_EVERY, StaticGreedyDecoder
 from tests.conftest import ROOT, SHARED_DATA
 
 MAX_NEW_TOKENS = 24
@@ -191,18 +191,21 @@ def test_early_eos_pads_and_trims_like_generate(tiny_model, variant: bool) -> No
 @pytest.mark.parametrize("variant", [False, True])
 @pytest.mark.parametrize("max_new_tokens", [5, 13, MAX_NEW_TOKENS])
 def test_several_steps_per_run_match_generate(tiny_model, variant: bool, max_new_tokens) -> None:
-    """As CUDA graphs of 8 steps run: a last run past the limit is cut off, rows that end
-    early are padded, learned and sinusoidal positions past the limit stay in range."""
+    """As CUDA graphs of CHECK_EVERY steps run: a last run past the limit is cut off, rows
+    that end early are padded, learned and sinusoidal positions past the limit stay in
+    range."""
     import copy
 
     model = _variant_model() if variant else copy.deepcopy(tiny_model)
     _force_eos(model, _pixels(5, 256, seed=7))
     for batch, width in [(1, 128), (5, 256)]:
         pixels = _pixels(batch, width, seed=7 if batch == 5 else batch)
-        _assert_same(model, pixels, max_new_tokens=max_new_tokens, steps_per_run=8)
+        _assert_same(model, pixels, max_new_tokens=max_new_tokens, steps_per_run=CHECK_EVERY)
         # the decoder's own limit not a multiple of the run length either
-        _assert_same(model, pixels, max_new_tokens, steps_per_run=8, buffer_tokens=max_new_tokens)
-    _assert_same(model, _pixels(3, 64, seed=3), max_new_tokens=max_new_tokens, steps_per_run=4)
+        _assert_same(
+            model, pixels, max_new_tokens, steps_per_run=CHECK_EVERY, buffer_tokens=max_new_tokens
+        )
+    _assert_same(model, _pixels(3, 64, seed=3), max_new_tokens=max_new_tokens, steps_per_run=2)
 
 
 def test_steps_per_run_must_divide_the_check_interval(tiny_model) -> None:

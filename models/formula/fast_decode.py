@@ -88,7 +88,7 @@ from models.devices import GraphFamily, capture_graph, side_stream
 logger = logging.getLogger(__name__)
 
 # Steps between two host synchronizations (early-exit checks).
-CHECK_EVERY = 8
+CHECK_EVERY = 4
 # Rows of every encoding with batch invariance (`StaticGreedyDecoder(batch_invariant=True)`).
 ENCODER_ROWS = 8
 
