@@ -91,7 +91,8 @@ class Worker:
     batcher makes its own. With `stream`, batches run continuously through it
     instead of `run` (which the batcher then does not call); `on_step` is called on the
     worker's thread at each of a stream's step boundaries (`Feed.take`), for whoever times
-    the device's work.
+    the device's work; `shares_device` says whether another model's work runs on the
+    worker's device now (`Feed.shares_device`).
     """
 
     name: str
@@ -99,6 +100,7 @@ class Worker:
     executor: Executor | None = None
     stream: StreamRunner | None = None
     on_step: Callable[[], None] | None = None
+    shares_device: Callable[[], bool] | None = None
 
 
 class BatchObserver(Protocol):
@@ -462,6 +464,7 @@ class Batcher:
             on_leave=self._observer.leave,
             yield_when=lambda: getattr(self._executors[worker.name], "waiting", 0) > 0,
             on_step=worker.on_step,
+            shares_device=worker.shares_device,
         )
         return feed
 

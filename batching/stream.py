@@ -77,6 +77,7 @@ class Feed:
         on_leave: Callable[[Any], None] = lambda handle: None,
         yield_when: Callable[[], bool] = lambda: False,
         on_step: Callable[[], None] | None = None,
+        shares_device: Callable[[], bool] | None = None,
     ) -> None:
         self._deliver = deliver
         self._clock = clock
@@ -84,6 +85,7 @@ class Feed:
         self._on_leave = on_leave
         self._yield_when = yield_when
         self._on_step = on_step  # each take() is a step boundary of the worker's
+        self._shares_device = shares_device
         self.yielded = False  # took no more requests so that other work could run
         self.alive_at = clock()  # the worker's last sign of life (a check for requests)
         self.parked: Any = None  # the worker's state, when it gave the thread up mid-way
@@ -200,6 +202,11 @@ class Feed:
     def should_give_way(self) -> bool:
         """Whether other work waits for this stream's thread."""
         return self._yield_when()
+
+    def shares_device(self) -> bool:
+        """Whether another model's work runs on this stream's device now (on a GPU, where
+        models run side by side; False where nobody says)."""
+        return self._shares_device is not None and self._shares_device()
 
     def park(self, state: Any) -> None:
         """Give the thread up with requests still running: the worker returns right

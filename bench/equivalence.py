@@ -52,6 +52,9 @@ class _Arrivals:
         taken, self.waiting = self.waiting[:count], self.waiting[count:]
         return taken
 
+    def shares_device(self) -> bool:
+        return False
+
     def cancelled(self, keys: list[int]) -> list[int]:
         return []
 

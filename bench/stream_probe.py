@@ -55,6 +55,9 @@ class ClosedLoop:
         self.outstanding += count
         return taken
 
+    def shares_device(self) -> bool:
+        return False
+
     def cancelled(self, keys: list[int]) -> list[int]:
         return []
 

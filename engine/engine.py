@@ -76,6 +76,9 @@ class _Served:
         self.model: Model | None = None
         self.batcher: Batcher | None = None
         self.state = ModelState("loading")
+        # Device calls (batches, streams) in flight: changed only by the model's own
+        # compute thread, read by the other models' (`Engine._shares_device`).
+        self.in_flight = 0
 
 
 class Engine:
@@ -143,7 +146,9 @@ class Engine:
             merge_buckets=model.merge_buckets,
         )
         meter = DeviceMeter(model.name, self.device, self._cuda)
-        worker = metered_worker(self.name, runner, thread, meter)
+        worker = metered_worker(
+            self.name, runner, thread, meter, served, lambda: self._shares_device(served)
+        )
         observer = BatchTelemetry(
             model.name,
             model.operation,
@@ -163,6 +168,13 @@ class Engine:
             self.name,
             time.perf_counter() - started,
             lane.stream,
+        )
+
+    def _shares_device(self, served: _Served) -> bool:
+        """Whether another model's work runs on this engine's GPU now (on a CPU the
+        models take turns on one thread, so never beside each other)."""
+        return self.device.type == "cuda" and any(
+            other.in_flight for other in self._served.values() if other is not served
         )
 
     def _compute_thread(self, key: str, lane: Lane) -> ThreadPoolExecutor:
@@ -269,24 +281,36 @@ class Engine:
 
 
 def metered_worker(
-    name: str, runner: DeviceRunner, thread: ThreadPoolExecutor, meter: DeviceMeter
+    name: str,
+    runner: DeviceRunner,
+    thread: ThreadPoolExecutor,
+    meter: DeviceMeter,
+    served: _Served,
+    shares_device: Callable[[], bool],
 ) -> Worker:
     """The batcher's worker for `runner`, its device time measured by `meter`: each batch
-    whole, a stream at each step boundary."""
+    whole, a stream at each step boundary; `served.in_flight` counts its calls running."""
 
     def run(payloads, should_stop):
-        with meter.timed():
-            return runner.run(payloads, should_stop)
+        served.in_flight += 1
+        try:
+            with meter.timed():
+                return runner.run(payloads, should_stop)
+        finally:
+            served.in_flight -= 1
 
     stream = None
     if runner.stream is not None:
 
         def stream(feed) -> None:
+            served.in_flight += 1
             try:
                 runner.stream(feed)
             except BaseException:
                 meter.abandon()
                 raise
+            finally:
+                served.in_flight -= 1
             meter.stop(wait=True)
 
-    return Worker(name, run, thread, stream=stream, on_step=meter.lap)
+    return Worker(name, run, thread, stream=stream, on_step=meter.lap, shares_device=shares_device)

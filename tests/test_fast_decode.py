@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.formula.fast_decode import CHECK_EVERY, StaticGreedyDecoder
+from models.formula.fast_decode import CHECK_EVERY, SHARED_CHECK_EVERY, StaticGreedyDecoder
 from tests.conftest import ROOT, SHARED_DATA
 
 MAX_NEW_TOKENS = 24
@@ -560,6 +560,9 @@ def test_a_failed_stream_leaves_every_slot_free(tiny_model_dir) -> None:
             taken, self.waiting = self.waiting[:limit], self.waiting[limit:]
             return taken
 
+        def shares_device(self):
+            return False
+
         def cancelled(self, keys):  # asked at every check, while the rows still run
             raise RuntimeError("the pipe broke")
 
@@ -609,6 +612,9 @@ def test_a_stream_answers_each_request_with_its_solo_tokens(tiny_model_dir, ahea
             self.waiting = self.waiting[len(taken) :]
             return taken
 
+        def shares_device(self):
+            return False
+
         def cancelled(self, keys):
             return []
 
@@ -641,6 +647,26 @@ def test_on_a_cpu_a_finished_row_is_seen_after_the_step_that_ends_it(tiny_model)
         finished = decoder.harvest()
     assert runs == 3 and list(finished) == [slot]
     assert decoder.free_slots == 1
+
+
+def test_a_run_on_a_shared_device_is_longer(tiny_model) -> None:
+    """Told that another model's work shares the device, a run is SHARED_CHECK_EVERY
+    steps: a row of 3 tokens ends within one such run, where a plain run (one step on a
+    CPU) leaves it running; its tokens are the same either way."""
+    tokens = {}
+    for shared in (False, True):
+        decoder = StaticGreedyDecoder(
+            tiny_model, max_batch_size=1, max_new_tokens=MAX_NEW_TOKENS, max_source_len=128
+        )
+        (slot,) = decoder.admit(_pixels(1, 128, seed=7), max_new_tokens=3)
+        decoder.run(shared=shared)
+        finished = decoder.harvest()
+        assert (slot in finished) is shared
+        while slot not in finished:
+            decoder.run()
+            finished = decoder.harvest()
+        tokens[shared] = finished[slot].tokens
+    assert SHARED_CHECK_EVERY > 3 and tokens[True] == tokens[False]
 
 
 def _generated_logprobs(model, pixels: torch.Tensor) -> list[float]:

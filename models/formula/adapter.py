@@ -459,6 +459,8 @@ class FormulaRecognizer(Model):
         On CUDA the host stays one run ahead: it queues run N+1 before it harvests run
         N (waiting only for run N's snapshot), so the device decodes while Python
         answers, uploads and relays; a finished row keeps its slot one run longer.
+        While another model's work runs on the same GPU, a run is twice as long, so the
+        stream's looks cut into that work half as often.
         """
         rows: dict[int, tuple[int, float]] = {}  # slot -> (the feed's key, when it joined)
         ahead = decoder.device.type == "cuda" if self.stream_ahead is None else self.stream_ahead
@@ -476,7 +478,7 @@ class FormulaRecognizer(Model):
                     with out_of_memory_as_batching_error():
                         latest = None
                         if decoder.running:
-                            decoder.run()
+                            decoder.run(shared=feed.shares_device())
                             latest = decoder.snapshot()
                         harvested, pending = (pending, latest) if ahead else (latest, None)
                         finished = decoder.harvest(harvested) if harvested is not None else {}

@@ -87,8 +87,13 @@ from models.devices import GraphFamily, capture_graph, side_stream
 
 logger = logging.getLogger(__name__)
 
-# Steps between two host synchronizations (early-exit checks).
+# Steps between two host synchronizations (early-exit checks) on a GPU. While another
+# model's work runs on the same GPU a stream looks half as often (`run(shared=True)`):
+# each look is a burst of high-priority work (the snapshot, the joins' encodings, the
+# next run) that cuts into the other model's, and that model's share of the device is
+# what suffered with looks every 4 steps (bench/RESULTS.md).
 CHECK_EVERY = 4
+SHARED_CHECK_EVERY = 8
 # Rows of every encoding with batch invariance (`StaticGreedyDecoder(batch_invariant=True)`).
 ENCODER_ROWS = 8
 
@@ -409,17 +414,19 @@ class StaticGreedyDecoder:
         self._live.update(slots)
         return slots
 
-    def run(self) -> None:
+    def run(self, shared: bool = False) -> None:
         """`steps_per_check` steps of every occupied slot (and the free ones below the
-        highest, which idle)."""
+        highest, which idle); `shared` (another model's work runs on the same GPU, which
+        the engine says only of a GPU): `SHARED_CHECK_EVERY` steps."""
         if not self._live:
             return
+        steps = SHARED_CHECK_EVERY if shared else self.steps_per_check
         # Eagerly, no padding rows (but with batch invariance); a graph per bucket otherwise.
         rows = max(self._live) + 1
         padded = self.use_cuda_graphs or self.batch_invariant
         bucket = self._bucket_of(rows) if padded else rows
         run = self._runner(bucket)  # captures first if warmup() did not
-        for _ in range(self.steps_per_check // self.steps_per_run):
+        for _ in range(steps // self.steps_per_run):
             run()
 
     @torch.inference_mode()
