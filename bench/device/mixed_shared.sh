@@ -4,16 +4,16 @@
 # and every 4 otherwise (from the seventeenth session): the formula model in the tree
 # (batches of at most 128) and an SD-1.5-size pipeline (random weights, 512x512, 20
 # steps, batches of at most 8), loads 128+0, 0+8, 16+8, 128+8, 16+8, 20 s each after 3 s
-# of warm-up. Records in $OUT/mixed.jsonl.
+# of warm-up (or LOADS). Records in $OUT/mixed.jsonl.
 #   carry: .whl .whlx .gb (bench/device/bundle.sh); the image model moved out of the tree
-#   command: [CALL_S=S] bash bench/device/mixed_shared.sh COMMIT
+#   command: [CALL_S=S] [LOADS=A+B,...] bash bench/device/mixed_shared.sh COMMIT
 COMMIT=${1:?usage: bash bench/device/mixed_shared.sh COMMIT}
 T0=$(date +%s)
 END=$((T0 + ${CALL_S:-240}))
 source bench/device/step.sh
 prepare "$COMMIT" .whl .whlx
-step 01-mixed 220 120 python3 -m bench.mixed --data /tmp/b --model-dir /tmp/sd15 --size sd15 \
+step 01-mixed 220 90 python3 -m bench.mixed --data /tmp/b --model-dir /tmp/sd15 --size sd15 \
     --steps 20 --max-batch-size 128 --image-batch-size 8 --client-processes 4 \
     --image-client-processes 1 --duration 20 --warmup 3 --out $OUT/mixed.jsonl \
-    --sharing priority --loads 128+0,0+8,16+8,128+8,16+8
+    --sharing priority --loads ${LOADS:-128+0,0+8,16+8,128+8,16+8}
 summarize '^(\||GPU:)|ready on|Error|error'
