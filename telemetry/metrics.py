@@ -187,6 +187,14 @@ LOOP_USED = Gauge(
     registry=REGISTRY,
     multiprocess_mode="livesum",
 )
+STREAM_CHECKS = Counter(
+    "texel_stream_checks",
+    "Looks of a model's running stream at its rows (where finished rows leave and new ones "
+    "join), by whether another model's work ran on the same GPU then (company: shared, "
+    "when the formula stream looks half as often, or alone).",
+    ["model", "company"],
+    registry=REGISTRY,
+)
 DEVICE_SECONDS = Counter(
     "texel_device_seconds",
     "Device time of each model's batches and stream steps, by device: on a GPU from CUDA "

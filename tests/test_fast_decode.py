@@ -577,12 +577,16 @@ def test_a_failed_stream_leaves_every_slot_free(tiny_model_dir) -> None:
     assert decoder.running == 0
 
 
-@pytest.mark.parametrize("ahead", [False, True])
-def test_a_stream_answers_each_request_with_its_solo_tokens(tiny_model_dir, ahead: bool) -> None:
+@pytest.mark.parametrize(("ahead", "shared"), [(False, False), (True, False), (True, True)])
+def test_a_stream_answers_each_request_with_its_solo_tokens(
+    tiny_model_dir, ahead: bool, shared: bool
+) -> None:
     """The served stream, harvesting each run at once (CPU) or one run behind (CUDA's
-    way, forced here): staggered arrivals, more than the rows, each answered once with
-    the tokens it gets alone."""
+    way, forced here), and with another model's work beside it (runs of
+    SHARED_CHECK_EVERY steps): staggered arrivals, more than the rows, each answered once
+    with the tokens it gets alone; each look counted in /metrics by its company."""
     from models.formula.adapter import FormulaInput, FormulaRecognizer
+    from telemetry import metrics
 
     cpu = torch.device("cpu")
     recognizer = FormulaRecognizer(str(tiny_model_dir), [cpu], decoder="static")
@@ -613,7 +617,7 @@ def test_a_stream_answers_each_request_with_its_solo_tokens(tiny_model_dir, ahea
             return taken
 
         def shares_device(self):
-            return False
+            return shared
 
         def cancelled(self, keys):
             return []
@@ -625,10 +629,17 @@ def test_a_stream_answers_each_request_with_its_solo_tokens(tiny_model_dir, ahea
         def finish(self):
             return not self.waiting
 
+    company = {
+        name: metrics.STREAM_CHECKS.labels(recognizer.name, name) for name in ("alone", "shared")
+    }
+    counted = {name: counter._value.get() for name, counter in company.items()}
     feed = StaggeredFeed()
     recognizer.runner(cpu).stream(feed)
     assert feed.answers == {i: [tokens] for i, tokens in enumerate(alone)}
     assert recognizer._decoders["cpu"].running == 0
+    looks = {name: counter._value.get() - counted[name] for name, counter in company.items()}
+    assert looks["shared" if shared else "alone"] > 0
+    assert looks["alone" if shared else "shared"] == 0
 
 
 def test_on_a_cpu_a_finished_row_is_seen_after_the_step_that_ends_it(tiny_model) -> None:

@@ -463,6 +463,10 @@ class FormulaRecognizer(Model):
         stream's looks cut into that work half as often.
         """
         rows: dict[int, tuple[int, float]] = {}  # slot -> (the feed's key, when it joined)
+        checks = {
+            shared: metrics.STREAM_CHECKS.labels(self.name, "shared" if shared else "alone")
+            for shared in (False, True)
+        }
         ahead = decoder.device.type == "cuda" if self.stream_ahead is None else self.stream_ahead
         pending = None  # the snapshot of the run before, not yet harvested
         try:
@@ -478,7 +482,9 @@ class FormulaRecognizer(Model):
                     with out_of_memory_as_batching_error():
                         latest = None
                         if decoder.running:
-                            decoder.run(shared=feed.shares_device())
+                            shared = feed.shares_device()
+                            decoder.run(shared=shared)
+                            checks[shared].inc()
                             latest = decoder.snapshot()
                         harvested, pending = (pending, latest) if ahead else (latest, None)
                         finished = decoder.harvest(harvested) if harvested is not None else {}
