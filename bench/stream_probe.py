@@ -119,9 +119,9 @@ def probe(recognizer: FormulaRecognizer, device, items: list, concurrency: int, 
     device_times = DeviceTimes() if device.type == "cuda" else None
     run = decoder.run
 
-    def counted_run():
+    def counted_run(shared: bool = False):
         rows.append(decoder.running)
-        run()
+        run(shared=shared)
 
     join = recognizer.admit
 
