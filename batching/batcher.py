@@ -91,8 +91,8 @@ class Worker:
     batcher makes its own. With `stream`, batches run continuously through it
     instead of `run` (which the batcher then does not call); `on_step` is called on the
     worker's thread at each of a stream's step boundaries (`Feed.take`), for whoever times
-    the device's work; `shares_device` says whether another model's work runs on the
-    worker's device now (`Feed.shares_device`).
+    the device's work; `shares_device` says whether another model is on the worker's
+    device (`Feed.shares_device`).
     """
 
     name: str

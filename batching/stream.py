@@ -204,8 +204,8 @@ class Feed:
         return self._yield_when()
 
     def shares_device(self) -> bool:
-        """Whether another model's work runs on this stream's device now (on a GPU, where
-        models run side by side; False where nobody says)."""
+        """Whether another model is on this stream's device, its work running beside the
+        stream's whenever it has any (on a GPU; False where nobody says)."""
         return self._shares_device is not None and self._shares_device()
 
     def park(self, state: Any) -> None:

@@ -11,9 +11,7 @@ load `F+I` runs F closed-loop formula clients (real im2latex images, split over
 `--client-processes` processes) and I image clients (`--image-client-processes`) at the
 same time, for `--duration` s after `--warmup` s. Each load's record gives both sides'
 throughput and latency, each model's device time and mean time in each stage from
-Texel's /metrics (`texel_device_seconds_total`, `texel_stage_duration_seconds`), the
-share of the formula stream's looks taken beside the image model's work
-(`texel_stream_checks_total`), and
+Texel's /metrics (`texel_device_seconds_total`, `texel_stage_duration_seconds`), and
 against the loads with one model alone (of this run, else the latest of the same commit
 in the results file, of the same sharing where it has them) each side's share of its
 alone throughput and their sum. Records are appended to `--out`
@@ -98,37 +96,20 @@ def mixed_closed_loop(
 
 
 def scrape(url: str) -> dict:
-    """What a load's record takes from Texel's /metrics (`parse_metrics`)."""
-    return parse_metrics(httpx.get(url + "/metrics", timeout=30).text)
-
-
-def parse_metrics(text: str) -> dict:
-    """`texel_device_seconds_total` by model (summed over devices), each (model, stage)'s
-    total and count of `texel_stage_duration_seconds`, and the streams' looks by company
-    (`texel_stream_checks_total`, summed over models)."""
+    """What a load's record takes from Texel's /metrics: `texel_device_seconds_total` by
+    model (summed over devices), and each (model, stage)'s total and count of
+    `texel_stage_duration_seconds`."""
     device: dict[str, float] = {}
     stages: dict[str, list[float]] = {}
-    checks: dict[str, float] = {}
-    for line in text.splitlines():
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         if line.startswith("texel_device_seconds_total{"):
             model = label(line, "model")
             device[model] = device.get(model, 0.0) + float(line.rsplit(" ", 1)[1])
-        if line.startswith("texel_stream_checks_total{"):
-            company = label(line, "company")
-            checks[company] = checks.get(company, 0.0) + float(line.rsplit(" ", 1)[1])
         for i, suffix in enumerate(("_sum{", "_count{")):
             if line.startswith("texel_stage_duration_seconds" + suffix):
                 key = f"{label(line, 'model')} {label(line, 'stage')}"
                 stages.setdefault(key, [0.0, 0.0])[i] += float(line.rsplit(" ", 1)[1])
-    return {"device": device, "stages": stages, "checks": checks}
-
-
-def shared_looks(before: dict, after: dict) -> float | None:
-    """The share of the formula stream's looks over a load taken while another model's
-    work ran on the GPU (every 8 steps instead of 4); None without looks."""
-    looks = {c: n - before["checks"].get(c, 0.0) for c, n in after["checks"].items()}
-    total = sum(looks.values())
-    return round(looks.get("shared", 0.0) / total, 3) if total else None
+    return {"device": device, "stages": stages}
 
 
 def label(line: str, name: str) -> str:
@@ -263,7 +244,6 @@ def run(args) -> list[dict]:
                         for m, s in after["device"].items()
                     },
                     "stage_ms": stage_means(before, after),
-                    "shared_looks": shared_looks(before, after),
                     "wall_s": round(wall_s, 2),
                 }
                 record = with_shares(record, alone_figures(records, args.out, args.sharing))
@@ -286,19 +266,16 @@ def table(records: list[dict]) -> str:
         f"GPU: {records[0]['gpu']}; commit {records[0]['commit']}; sharing {records[0]['sharing']}",
         "",
         "| load (formula + image clients) | formulas/s | formula p50 / p99 ms | images/s "
-        "| image p50 / p99 ms | share of alone (formula, image, sum) | formula looks shared "
-        "| device s by model |",
-        "|---|---:|---:|---:|---:|---|---:|---|",
+        "| image p50 / p99 ms | share of alone (formula, image, sum) | device s by model |",
+        "|---|---:|---:|---:|---:|---|---|",
     ]
     for r in records:
         share = r.get("share_of_alone") or {}
         shares_text = ", ".join(str(share.get(k, "-")) for k in ("formula", "image", "sum"))
         device = ", ".join(f"{m} {s}" for m, s in sorted(r["device_s"].items()))
-        looks = r.get("shared_looks")
         lines.append(
             f"| {r['formula_clients']} + {r['image_clients']} | {side(r, 'formula')} "
-            f"| {side(r, 'image')} | {shares_text} | {'-' if looks is None else looks} "
-            f"| {device} |"
+            f"| {side(r, 'image')} | {shares_text} | {device} |"
         )
     return "\n".join(lines)
 

@@ -76,9 +76,6 @@ class _Served:
         self.model: Model | None = None
         self.batcher: Batcher | None = None
         self.state = ModelState("loading")
-        # Device calls (batches, streams) in flight: changed only by the model's own
-        # compute thread, read by the other models' (`Engine._shares_device`).
-        self.in_flight = 0
 
 
 class Engine:
@@ -119,13 +116,12 @@ class Engine:
         loop = asyncio.get_running_loop()
         try:
             model = plan.build()
-            # Other models on this device that have not failed to load (they load in turn).
-            shared = any(
-                other is not served and other.state.state != "failed"
-                for other in self._served.values()
-            )
             lane = sharing.lane(
-                self.sharing, self.device, model.latency_sensitive, self._cuda, shared
+                self.sharing,
+                self.device,
+                model.latency_sensitive,
+                self._cuda,
+                self._shares_device(served),
             )
             thread = self._compute_thread(plan.key, lane)
             # On the compute thread: on a CPU, torch's OpenMP team belongs to the first
@@ -147,7 +143,7 @@ class Engine:
         )
         meter = DeviceMeter(model.name, self.device, self._cuda)
         worker = metered_worker(
-            self.name, runner, thread, meter, served, lambda: self._shares_device(served)
+            self.name, runner, thread, meter, lambda: self._shares_device(served)
         )
         observer = BatchTelemetry(
             model.name,
@@ -171,10 +167,11 @@ class Engine:
         )
 
     def _shares_device(self, served: _Served) -> bool:
-        """Whether another model's work runs on this engine's GPU now (on a CPU the
-        models take turns on one thread, so never beside each other)."""
+        """Whether another model is on this engine's GPU, loaded or loading in turn (not
+        failed), so that its work may run beside `served`'s; on a CPU the models take
+        turns on one thread."""
         return self.device.type == "cuda" and any(
-            other.in_flight for other in self._served.values() if other is not served
+            other is not served and other.state.state != "failed" for other in self._served.values()
         )
 
     def _compute_thread(self, key: str, lane: Lane) -> ThreadPoolExecutor:
@@ -285,32 +282,24 @@ def metered_worker(
     runner: DeviceRunner,
     thread: ThreadPoolExecutor,
     meter: DeviceMeter,
-    served: _Served,
     shares_device: Callable[[], bool],
 ) -> Worker:
     """The batcher's worker for `runner`, its device time measured by `meter`: each batch
-    whole, a stream at each step boundary; `served.in_flight` counts its calls running."""
+    whole, a stream at each step boundary; `shares_device` for its streams' feeds."""
 
     def run(payloads, should_stop):
-        served.in_flight += 1
-        try:
-            with meter.timed():
-                return runner.run(payloads, should_stop)
-        finally:
-            served.in_flight -= 1
+        with meter.timed():
+            return runner.run(payloads, should_stop)
 
     stream = None
     if runner.stream is not None:
 
         def stream(feed) -> None:
-            served.in_flight += 1
             try:
                 runner.stream(feed)
             except BaseException:
                 meter.abandon()
                 raise
-            finally:
-                served.in_flight -= 1
             meter.stop(wait=True)
 
     return Worker(name, run, thread, stream=stream, on_step=meter.lap, shares_device=shares_device)

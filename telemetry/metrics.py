@@ -190,8 +190,8 @@ LOOP_USED = Gauge(
 STREAM_CHECKS = Counter(
     "texel_stream_checks",
     "Looks of a model's running stream at its rows (where finished rows leave and new ones "
-    "join), by whether another model's work ran on the same GPU then (company: shared, "
-    "when the formula stream looks half as often, or alone).",
+    "join), by whether another model is on the same GPU (company: shared, when the "
+    "formula stream looks half as often, or alone).",
     ["model", "company"],
     registry=REGISTRY,
 )

@@ -582,7 +582,7 @@ def test_a_stream_answers_each_request_with_its_solo_tokens(
     tiny_model_dir, ahead: bool, shared: bool
 ) -> None:
     """The served stream, harvesting each run at once (CPU) or one run behind (CUDA's
-    way, forced here), and with another model's work beside it (runs of
+    way, forced here), and on a device shared with another model (runs of
     SHARED_CHECK_EVERY steps): staggered arrivals, more than the rows, each answered once
     with the tokens it gets alone; each look counted in /metrics by its company."""
     from models.formula.adapter import FormulaInput, FormulaRecognizer
@@ -661,7 +661,7 @@ def test_on_a_cpu_a_finished_row_is_seen_after_the_step_that_ends_it(tiny_model)
 
 
 def test_a_run_on_a_shared_device_is_longer(tiny_model) -> None:
-    """Told that another model's work shares the device, a run is SHARED_CHECK_EVERY
+    """Told that another model shares the device, a run is SHARED_CHECK_EVERY
     steps: a row of 3 tokens ends within one such run, where a plain run (one step on a
     CPU) leaves it running; its tokens are the same either way."""
     tokens = {}

@@ -4,7 +4,6 @@ device time in /metrics and on its batch spans, from real tiny models on a CPU."
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 import httpx
@@ -17,7 +16,6 @@ from app.launcher import single_process_app
 from app.settings import Settings
 from engine import Engine, ModelPlan, sharing
 from engine.sharing import DeviceMeter
-from models.base import DeviceRunner
 from telemetry import add_span_processor, metrics
 from tests.conftest import formula_png
 from tests.server import serving_in_thread
@@ -168,26 +166,9 @@ async def test_a_gpu_engine_gives_each_model_a_thread_that_makes_its_gpu_current
     assert entered == sorted([(str(GPU), *formula), (str(GPU), *image)])
 
 
-class Blocking(Recorder):
-    """A model whose batches run until `release` is set (`running` says one has begun)."""
-
-    def __init__(self, key: str, threads: list[tuple[str, int]]) -> None:
-        super().__init__(key, threads)
-        self.running = threading.Event()
-        self.release = threading.Event()
-
-    def runner(self, device) -> DeviceRunner:
-        def run(payloads, should_stop):
-            self.running.set()
-            assert self.release.wait(10)
-            return list(payloads)
-
-        return DeviceRunner(run)
-
-
 def seeing_company(seen: list[bool]):
     """A stream runner that answers each request at once and notes, at every look, whether
-    its feed said another model's work was running on the device."""
+    its feed said another model shares the device."""
 
     def stream(feed) -> None:
         while True:
@@ -200,31 +181,34 @@ def seeing_company(seen: list[bool]):
     return stream
 
 
-async def test_a_stream_is_told_when_another_models_work_runs_beside_it_on_a_gpu() -> None:
-    """While the image model's batch runs on the GPU, the formula stream's feed says so (its
-    decoder then looks half as often); before and after, it does not."""
+async def company_seen(device: torch.device, others: list[ModelPlan]) -> set[bool]:
+    """What the formula stream's feed says of its device's company, one request served."""
     threads: list[tuple[str, int]] = []
     seen: list[bool] = []
     formula = Recorder("formula", threads, stream=seeing_company(seen))
-    image = Blocking("image", threads)
-    engine = Engine(GPU, [plan(formula), plan(image)], "priority", FakeCuda())
+    engine = Engine(device, [plan(formula), *others], "priority", FakeCuda())
     await engine.start()
     try:
-        assert (await engine.submit("formula", "alone", timeout_s=5)).value == "alone"
-        before, seen[:] = list(seen), []
-        pending = asyncio.ensure_future(engine.submit("image", "x", timeout_s=5))
-        assert await asyncio.to_thread(image.running.wait, 5)
-        assert (await engine.submit("formula", "beside", timeout_s=5)).value == "beside"
-        beside, seen[:] = list(seen), []
-        image.release.set()
-        assert (await pending).value == "x"
-        assert (await engine.submit("formula", "after", timeout_s=5)).value == "after"
+        assert (await engine.submit("formula", "x", timeout_s=5)).value == "x"
     finally:
-        image.release.set()
         await engine.close()
-    assert before and not any(before)
-    assert beside and all(beside)
-    assert seen and not any(seen)
+    return set(seen)
+
+
+async def test_a_stream_is_told_whether_another_model_shares_its_gpu() -> None:
+    """The formula stream's feed says so on a GPU with the image model (its decoder then
+    looks half as often), not on a GPU of its own, one whose other model failed to load,
+    or a CPU, where the models take turns on one thread."""
+
+    def broken():
+        raise RuntimeError("no weights here")
+
+    image = plan(Recorder("image", []))
+    failed = ModelPlan("image", broken, 4, max_wait_s=0.001, max_queue=64)
+    assert await company_seen(GPU, [image]) == {True}
+    assert await company_seen(GPU, []) == {False}
+    assert await company_seen(GPU, [failed]) == {False}
+    assert await company_seen(CPU, [image]) == {False}
 
 
 async def test_on_a_cpu_no_policy_touches_cuda():

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a one-GPU machine (device tool): both models sharing the GPU as shipped
-# (priority), the formula stream looking every 8 steps while the image model's work runs
-# and every 4 otherwise (from the seventeenth session): the formula model in the tree
+# (priority), the formula stream looking every 8 steps on a GPU shared with the image
+# model (as before the seventeenth session, now two replays of 4-step graphs; every 4
+# on a GPU of its own): a check that the mixed figures hold. The formula model in the tree
 # (batches of at most 128) and an SD-1.5-size pipeline (random weights, 512x512, 20
 # steps, batches of at most 8), loads 128+0, 0+8, 16+8, 128+8, 16+8, 20 s each after 3 s
 # of warm-up (or LOADS). Records in $OUT/mixed.jsonl.

@@ -65,21 +65,3 @@ def test_engine_only_serves_preprocessed_formulas_at_each_concurrency(tiny_model
     # Poisson arrivals at 20 a second for a second: about 20 requests, each answered.
     assert 5 <= records[-1]["requests"] <= 45
     assert len((tmp_path / "cpu.jsonl").read_text().splitlines()) == 3
-
-
-def test_a_load_reports_the_share_of_formula_looks_taken_beside_other_work():
-    """From Texel's own registry, as /metrics exposes it: looks counted during the load
-    only, by company."""
-    from prometheus_client import generate_latest
-
-    from bench.mixed import parse_metrics, shared_looks
-    from telemetry import metrics
-
-    looks = {c: metrics.STREAM_CHECKS.labels("bench-mixed-test", c) for c in ("alone", "shared")}
-    looks["alone"].inc(5)
-    before = parse_metrics(generate_latest(metrics.REGISTRY).decode())
-    looks["alone"].inc(1)
-    looks["shared"].inc(3)
-    after = parse_metrics(generate_latest(metrics.REGISTRY).decode())
-    assert shared_looks(before, after) == 0.75
-    assert shared_looks(after, after) is None

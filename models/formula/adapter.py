@@ -459,8 +459,8 @@ class FormulaRecognizer(Model):
         On CUDA the host stays one run ahead: it queues run N+1 before it harvests run
         N (waiting only for run N's snapshot), so the device decodes while Python
         answers, uploads and relays; a finished row keeps its slot one run longer.
-        While another model's work runs on the same GPU, a run is twice as long, so the
-        stream's looks cut into that work half as often.
+        On a GPU shared with another model a run is twice as long, so the stream's looks
+        cut into that model's work half as often.
         """
         rows: dict[int, tuple[int, float]] = {}  # slot -> (the feed's key, when it joined)
         checks = {

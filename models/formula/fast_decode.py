@@ -87,11 +87,11 @@ from models.devices import GraphFamily, capture_graph, side_stream
 
 logger = logging.getLogger(__name__)
 
-# Steps between two host synchronizations (early-exit checks) on a GPU. While another
-# model's work runs on the same GPU a stream looks half as often (`run(shared=True)`):
-# each look is a burst of high-priority work (the snapshot, the joins' encodings, the
-# next run) that cuts into the other model's, and that model's share of the device is
-# what suffered with looks every 4 steps (bench/RESULTS.md).
+# Steps between two host synchronizations (early-exit checks) on a GPU. On a GPU shared
+# with another model a stream looks half as often (`run(shared=True)`): each look is a
+# burst of high-priority work (the snapshot, the joins' encodings, the next run) that
+# cuts into the other model's, and with looks every 4 steps the other model's share of
+# the device suffered (bench/RESULTS.md).
 CHECK_EVERY = 4
 SHARED_CHECK_EVERY = 8
 # Rows of every encoding with batch invariance (`StaticGreedyDecoder(batch_invariant=True)`).
@@ -416,8 +416,8 @@ class StaticGreedyDecoder:
 
     def run(self, shared: bool = False) -> None:
         """`steps_per_check` steps of every occupied slot (and the free ones below the
-        highest, which idle); `shared` (another model's work runs on the same GPU, which
-        the engine says only of a GPU): `SHARED_CHECK_EVERY` steps."""
+        highest, which idle); `shared` (another model is on the same GPU, which the
+        engine says only of a GPU): `SHARED_CHECK_EVERY` steps."""
         if not self._live:
             return
         steps = SHARED_CHECK_EVERY if shared else self.steps_per_check
