@@ -16,21 +16,14 @@ source bench/device/step.sh
 prepare "$COMMIT" .whl
 COMPARE="python3 -m bench.compare --data /tmp/b --duration 10 --warmup 2 --client-processes 4
     --servers texel --out $OUT/cadence.jsonl"
-FILE=models/formula/fast_decode.py
-cp $FILE /tmp/fast_decode.py
-cadence() {
-    cp /tmp/fast_decode.py $FILE
-    sed -i "s/^CHECK_EVERY = [0-9]*$/CHECK_EVERY = $1/" $FILE
-    grep -q "^CHECK_EVERY = $1$" $FILE || { echo "no CHECK_EVERY in $FILE" >> $L; exit 1; }
-    export TEXEL_COMMIT=$COMMIT-check$1
-}
 i=0
 for N in 8 4 8 4; do
-    cadence $N
+    constant models/formula/fast_decode.py CHECK_EVERY $N
+    export TEXEL_COMMIT=$COMMIT-check$N
     i=$((i + 1))
     step 0$i-256-check$N 70 55 $COMPARE --max-batch-size 256 --concurrency 256 --rates 1400
     i=$((i + 1))
     step 0$i-128-check$N 70 55 $COMPARE --max-batch-size 128 --concurrency 128 --rates 1000
 done
-cp /tmp/fast_decode.py $FILE
+committed
 summarize '^\||ready on|Error|error'

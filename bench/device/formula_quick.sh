@@ -18,12 +18,8 @@ source bench/device/step.sh
 prepare "$COMMIT" .whl
 COMPARE="python3 -m bench.compare --data /tmp/b --duration 10 --warmup 2 --client-processes 4
     --max-batch-size 256 --out $OUT/quick.jsonl"
-FILE=models/formula/adapter.py
-cp $FILE /tmp/adapter.py
 quick() {
-    cp /tmp/adapter.py $FILE
-    sed -i "s/^QUICK_PIXELS = .*$/QUICK_PIXELS = $1/" $FILE
-    grep -q "^QUICK_PIXELS = $1$" $FILE || { echo "no QUICK_PIXELS in $FILE" >> $L; exit 1; }
+    constant models/formula/adapter.py QUICK_PIXELS "$1"
     export TEXEL_COMMIT=$COMMIT$2
 }
 i=0
@@ -32,5 +28,5 @@ for variant in pool loop pool loop; do
     if [[ $variant == pool ]]; then quick 0 -pool; else quick 100_000 ""; fi
     step 0$i-served-$variant 75 55 $COMPARE --servers texel --concurrency 256 --rates 1400
 done
-cp /tmp/adapter.py $FILE
+committed
 summarize '^\||ready on|Error|error'

@@ -15,13 +15,9 @@ T0=$(date +%s)
 END=$((T0 + ${CALL_S:-300}))
 source bench/device/step.sh
 prepare "$COMMIT" .whl .whlx
-FILE=models/formula/fast_decode.py
-cp $FILE /tmp/fast_decode.py
 i=0
 for N in 8 4; do
-    cp /tmp/fast_decode.py $FILE
-    sed -i "s/^SHARED_CHECK_EVERY = [0-9]*$/SHARED_CHECK_EVERY = $N/" $FILE
-    grep -q "^SHARED_CHECK_EVERY = $N$" $FILE || { echo "no SHARED_CHECK_EVERY" >> $L; exit 1; }
+    constant models/formula/fast_decode.py SHARED_CHECK_EVERY $N
     export TEXEL_COMMIT=$COMMIT-shared$N
     i=$((i + 1))
     step 0$i-mixed-shared$N 140 90 python3 -m bench.mixed --data /tmp/b --model-dir /tmp/sd15 \
@@ -29,5 +25,5 @@ for N in 8 4; do
         --image-client-processes 1 --duration 20 --warmup 3 --out $OUT/mixed.jsonl \
         --sharing priority --loads ${LOADS:-128+0,0+8,16+8}
 done
-cp /tmp/fast_decode.py $FILE
+committed
 summarize '^(\||GPU:)|ready on|Error|error'

@@ -62,3 +62,22 @@ step() {
         } >> "$OUT/$name.log"
     done
 }
+
+# constant FILE NAME VALUE: FILE as committed (kept aside on first use) with its line
+# `NAME = ...` set to VALUE, for a variant measured in the device's copy of the tree;
+# `committed` puts every such file back.
+EDITED=()
+constant() {
+    local file=$1 name=$2 value=$3
+    if [[ ! -f /tmp/committed/$file ]]; then
+        mkdir -p "$(dirname "/tmp/committed/$file")" && cp "$file" "/tmp/committed/$file"
+        EDITED+=("$file")
+    fi
+    cp "/tmp/committed/$file" "$file"
+    sed -i "s/^$name = .*$/$name = $value/" "$file"
+    grep -q "^$name = $value$" "$file" || { echo "no $name in $file" >> "$L"; exit 1; }
+}
+committed() {
+    local file
+    for file in "${EDITED[@]}"; do cp "/tmp/committed/$file" "$file"; done
+}

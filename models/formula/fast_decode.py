@@ -15,8 +15,9 @@ positions from a device tensor and advances them in place, so its kernels take
 the same arguments every time; on CUDA one step per batch-size bucket is
 captured as a CUDA graph and each later step is one `replay()`. Greedy argmax,
 the EOS/limit bookkeeping and padding after a row's end happen inside the step,
-so on CUDA Python only synchronizes every `CHECK_EVERY` steps to see which rows are
-done (on a CPU, where looking costs nothing, after every step). A graph holds
+so on CUDA Python only synchronizes every `CHECK_EVERY` steps (`SHARED_CHECK_EVERY` on a
+GPU shared with another model) to see which rows are done (on a CPU, where looking
+costs nothing, after every step). A graph holds
 `steps_per_run` consecutive steps (on CUDA all `CHECK_EVERY`), so one `replay()` (one
 Python call, one grab of the GIL that the event loop also wants) runs them all.
 On a CPU the same step runs eagerly, one at a time; it still skips
