@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One call on a one-GPU machine (device tool): both models sharing the GPU as shipped
+# Prepared in the seventeenth session (2026-12-06), not yet run. One call on a one-GPU
+# machine (device tool): both models sharing the GPU as shipped
 # (priority), the formula stream looking every 8 steps on a GPU shared with the image
 # model (as before the seventeenth session, now two replays of 4-step graphs; every 4
 # on a GPU of its own): a check that the mixed figures hold. The formula model in the tree
