@@ -17,6 +17,9 @@ Prints one JSON line with the timings and the profile table. With `--sweep 64,96
 it instead times a step at each of those row counts, each in a decoder of exactly that
 many slots (so its own graph, no padding rows), one JSON line each: how a step's cost
 grows with its rows, which says whether batch buckets between the powers of two pay.
+With `--encoder-sweep 1,2,4,8` it times the encoder instead: one encoding (a graph
+replay on a GPU) of each row count at each width bucket, one JSON line per width: what
+a join's width group costs, and what padding its rows up to a bucket costs.
 """
 
 from __future__ import annotations
@@ -101,6 +104,37 @@ def sweep(args, recognizer: FormulaRecognizer, device, sizes: list[int]) -> None
         del decoder
 
 
+@torch.inference_mode()
+def encoder_sweep(args, recognizer: FormulaRecognizer, device, sizes: list[int]) -> None:
+    """One JSON line per width bucket: ms per encoding of each row count, as a join's
+    width group runs it (`_load_source`: a graph replay on a GPU, eager on a CPU)."""
+    recognizer.warmup(device, max(sizes))
+    decoder = recognizer.static_decoder(device)
+    images = formula_images(args.data, 64)
+    items = [recognizer.preprocess(image) for image in images]
+    widths = sorted({item.bucket for item in items})
+    slots = list(range(max(sizes)))
+    cuda = device.type == "cuda"
+    for width in widths:
+        item = next(item for item in items if item.bucket == width)
+        pixels, _, _ = recognizer.upload(decoder, [item])
+        group = pixels[0] if isinstance(pixels, list) else pixels
+        ms = {}
+        for rows in sizes:
+            batch = group[:1].expand(rows, *group.shape[1:]).contiguous()
+            decoder._load_source(batch, slots[:rows])  # warm
+            if cuda:
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            for _ in range(args.repeats):
+                decoder._load_source(batch, slots[:rows])
+            if cuda:
+                torch.cuda.synchronize(device)
+            ms[rows] = round(1000 * (time.perf_counter() - started) / args.repeats, 4)
+        fields = {"width": width, "source_len": decoder._slot_source[0], "ms_by_rows": ms}
+        emit(args, record("formula-encoder-sweep", device, **fields))
+
+
 def emit(args, result: dict) -> None:
     """Print a record as one JSON line, and append it to `--out` if given."""
     print(json.dumps(result), flush=True)
@@ -121,6 +155,9 @@ def main() -> None:
     )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--sweep", default=None, help="row counts, comma-separated")
+    parser.add_argument(
+        "--encoder-sweep", default=None, help="row counts of one encoding, comma-separated"
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON-lines file to append to")
     args = parser.parse_args()
 
@@ -128,6 +165,10 @@ def main() -> None:
     recognizer = FormulaRecognizer(args.model, [device], decoder="static")
     recognizer.open()
     recognizer.load(device)
+    if args.encoder_sweep:
+        sizes = [int(rows) for rows in args.encoder_sweep.split(",")]
+        encoder_sweep(args, recognizer, device, sizes)
+        return
     if args.sweep:
         sweep(args, recognizer, device, [int(rows) for rows in args.sweep.split(",")])
         return

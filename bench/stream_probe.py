@@ -8,7 +8,8 @@ warmed up for `--max-batch-size` rows), preprocesses the benchmark images once, 
 with no HTTP, where each answer lets the next image in. Prints formulas/s, the mean rows
 decoding together, and the host time per check in each phase (join: upload and admit;
 run; snapshot; harvest, which includes waiting for the device), the requests and width
-groups per join and, on CUDA, the device time of the work each join and run queues.
+groups per join, the encoder's rows (real and as padded up to a bucket) and, on CUDA, the
+device time of the work each join and run queues and of the encodings on the lanes.
 
 `--sync-check` then repeats a short run under `torch.cuda.set_sync_debug_mode("warn")`
 and prints every source line that made the host wait for the device, with counts; only
@@ -133,7 +134,22 @@ def probe(recognizer: FormulaRecognizer, device, items: list, concurrency: int, 
     ran = timed(phases, "run", counted_run)
     if device_times is not None:
         joined, ran = device_times.wrap("join", joined), device_times.wrap("run", ran)
+    encoded = [0, 0]  # rows encoded, and as padded up to an encoder bucket
+    load_source = decoder._load_source
+
+    def counted_load_source(pixel_values, slots):
+        count = pixel_values.shape[0]
+        if count <= decoder.encoder_buckets[-1]:  # a larger group recurses in chunks
+            encoded[0] += count
+            padded = decoder.pad_encoder_rows
+            encoded[1] += decoder._bucket_of(count, decoder.encoder_buckets) if padded else count
+        return load_source(pixel_values, slots)
+
+    encode = counted_load_source
+    if device_times is not None:  # events on the lane each encoding runs on
+        encode = device_times.wrap("encode (lanes)", encode)
     patched = {
+        "_load_source": encode,
         "run": ran,
         "snapshot": timed(phases, "snapshot", decoder.snapshot),
         "harvest": timed(phases, "harvest", decoder.harvest),
@@ -161,6 +177,8 @@ def probe(recognizer: FormulaRecognizer, device, items: list, concurrency: int, 
         "joins": len(joins),
         "requests_per_join": round(sum(n for n, _ in joins) / max(len(joins), 1), 2),
         "width_groups_per_join": round(sum(g for _, g in joins) / max(len(joins), 1), 2),
+        "encoded_rows": encoded[0],
+        "encoded_rows_padded": encoded[1],
     }
     if device_times is not None:
         record["device_ms_per_check"] = {

@@ -95,6 +95,9 @@ logger = logging.getLogger(__name__)
 # the device suffered (bench/RESULTS.md).
 CHECK_EVERY = 4
 SHARED_CHECK_EVERY = 8
+# Encoder batch buckets grow by this factor (rounded up) from 1 row to the largest batch:
+# a join's width group is padded up to one, and each (bucket, width) is one graph.
+ENCODER_BUCKET_GROWTH = 1.5
 # Rows of every encoding with batch invariance (`StaticGreedyDecoder(batch_invariant=True)`).
 ENCODER_ROWS = 8
 
@@ -116,13 +119,14 @@ _NEUTRAL_GENERATION_SETTINGS: dict[str, tuple] = {
 }
 
 
-def _batch_buckets(max_batch_size: int) -> list[int]:
-    """Powers of two below `max_batch_size`, plus `max_batch_size` itself."""
+def _batch_buckets(max_batch_size: int, growth: float = 2.0) -> list[int]:
+    """1, then each size `growth` times the last (rounded up) below `max_batch_size`,
+    plus `max_batch_size` itself: powers of two by default."""
     buckets = {max_batch_size}
     size = 1
     while size < max_batch_size:
         buckets.add(size)
-        size *= 2
+        size = math.ceil(size * growth)
     return sorted(buckets)
 
 
@@ -221,7 +225,8 @@ class StaticGreedyDecoder:
             self.step_buckets = [max_batch_size]
             self.encoder_buckets = [min(ENCODER_ROWS, max_batch_size)]
         else:
-            self.step_buckets = self.encoder_buckets = _batch_buckets(max_batch_size)
+            self.step_buckets = _batch_buckets(max_batch_size)
+            self.encoder_buckets = _batch_buckets(max_batch_size, ENCODER_BUCKET_GROWTH)
 
         generation = model.generation_config
         start = generation.decoder_start_token_id
