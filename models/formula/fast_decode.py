@@ -97,7 +97,7 @@ CHECK_EVERY = 4
 SHARED_CHECK_EVERY = 8
 # Encoder batch buckets grow by this factor (rounded up) from 1 row to the largest batch:
 # a join's width group is padded up to one, and each (bucket, width) is one graph.
-ENCODER_BUCKET_GROWTH = 1.5
+ENCODER_BUCKET_GROWTH = 2
 # Rows of every encoding with batch invariance (`StaticGreedyDecoder(batch_invariant=True)`).
 ENCODER_ROWS = 8
 
