@@ -14,6 +14,7 @@ prepare() {
     export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TEXEL_COMMIT=$commit
     export TEXEL_REQUEST_TIMEOUT_S=300
     mkdir -p /tmp/b && tar xf .gb/bench_images.tar -C /tmp/b
+    rm -rf /tmp/committed  # `constant`'s copies, from an earlier call on a warm machine
     L=$OUT/bench.log
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >> "$L" 2>&1
 }
@@ -63,9 +64,9 @@ step() {
     done
 }
 
-# constant FILE NAME VALUE: FILE as committed (kept aside on first use) with its line
-# `NAME = ...` set to VALUE, for a variant measured in the device's copy of the tree;
-# `committed` puts every such file back.
+# constant FILE NAME VALUE: FILE's line `NAME = ...` set to VALUE, for a variant measured
+# in the device's copy of the tree (the file as committed kept aside on first use; other
+# constants set before stay set); `committed` puts every such file back.
 EDITED=()
 constant() {
     local file=$1 name=$2 value=$3
@@ -73,7 +74,6 @@ constant() {
         mkdir -p "$(dirname "/tmp/committed/$file")" && cp "$file" "/tmp/committed/$file"
         EDITED+=("$file")
     fi
-    cp "/tmp/committed/$file" "$file"
     sed -i "s/^$name = .*$/$name = $value/" "$file"
     grep -q "^$name = $value$" "$file" || { echo "no $name in $file" >> "$L"; exit 1; }
 }

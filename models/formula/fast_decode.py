@@ -85,6 +85,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from models.devices import GraphFamily, capture_graph, side_stream
+from models.formula.fast_encode import FusedEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,8 @@ SHARED_CHECK_EVERY = 8
 # Encoder batch buckets grow by this factor (rounded up) from 1 row to the largest batch:
 # a join's width group is padded up to one, and each (bucket, width) is one graph.
 ENCODER_BUCKET_GROWTH = 2
+# On CUDA the encoder runs as `FusedEncoder` where the model allows.
+FUSED_ENCODER = False
 # Rows of every encoding with batch invariance (`StaticGreedyDecoder(batch_invariant=True)`).
 ENCODER_ROWS = 8
 
@@ -172,6 +175,7 @@ class StaticGreedyDecoder:
         steps_per_run: int | None = None,
         pad_encoder_rows: bool | None = None,
         batch_invariant: bool = False,
+        fused_encoder: bool | None = None,
     ) -> None:
         if not self.supports(model):
             raise ValueError("StaticGreedyDecoder supports TrOCR-decoded models only")
@@ -244,6 +248,15 @@ class StaticGreedyDecoder:
         # A bf16 model on a CPU multiplies with weights reordered once into oneDNN's
         # blocked layout (`_Projection`).
         self.linears = [_StepLinears.of(layer, self._cpu_bf16) for layer in decoder.layers]
+        # On CUDA the encoder runs in fewer kernels where it can (`FusedEncoder`): a join's
+        # small encodings are bound by their launches.
+        if fused_encoder is None:
+            fused_encoder = self.device.type == "cuda" and FUSED_ENCODER
+        self._fused_encoder = (
+            FusedEncoder(model, decoder.layers, self.num_heads)
+            if fused_encoder and FusedEncoder.supports(model)
+            else None
+        )
         self.lm_projection = _Projection(self.lm_head.weight, self.lm_head.bias, self._cpu_bf16)
         self._allocate(len(decoder.layers), eos)
         self._graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
@@ -601,6 +614,8 @@ class StaticGreedyDecoder:
 
     def _encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Cross-attention K and V of every decoder layer: [2, layers, rows, heads, S, D]."""
+        if self._fused_encoder is not None:
+            return self._fused_encoder(pixel_values)
         return self._cross_kv(self.model.encoder(pixel_values=pixel_values).last_hidden_state)
 
     def _cross_kv(self, hidden: torch.Tensor) -> torch.Tensor:
