@@ -46,6 +46,7 @@ class FusedEncoder:
             and not config.mlp_bias
         )
 
+    @torch.no_grad()  # the stacked weights are constants, not autograd's
     def __init__(self, model, decoder_layers: nn.ModuleList, num_heads: int) -> None:
         encoder = model.encoder
         config = encoder.config
@@ -68,10 +69,10 @@ class FusedEncoder:
                         layer.attention.v_proj.weight,
                     ]
                 ),
-                layer.attention.out_proj.weight.t(),
+                layer.attention.out_proj.weight.detach().t(),
                 layer.rms_norm2.weight,
                 torch.cat([layer.ffn.gate_proj.weight, layer.ffn.up_proj.weight]),
-                layer.ffn.down_proj.weight.t(),
+                layer.ffn.down_proj.weight.detach().t(),
             )
             for layer in encoder.encoder.layers
         ]
