@@ -96,11 +96,6 @@ logger = logging.getLogger(__name__)
 # the device suffered (bench/RESULTS.md).
 CHECK_EVERY = 4
 SHARED_CHECK_EVERY = 8
-# Encoder batch buckets grow by this factor (rounded up) from 1 row to the largest batch:
-# a join's width group is padded up to one, and each (bucket, width) is one graph.
-ENCODER_BUCKET_GROWTH = 2
-# On CUDA the encoder runs as `FusedEncoder` where the model allows.
-FUSED_ENCODER = False
 # Rows of every encoding with batch invariance (`StaticGreedyDecoder(batch_invariant=True)`).
 ENCODER_ROWS = 8
 
@@ -122,14 +117,13 @@ _NEUTRAL_GENERATION_SETTINGS: dict[str, tuple] = {
 }
 
 
-def _batch_buckets(max_batch_size: int, growth: float = 2.0) -> list[int]:
-    """1, then each size `growth` times the last (rounded up) below `max_batch_size`,
-    plus `max_batch_size` itself: powers of two by default."""
+def _batch_buckets(max_batch_size: int) -> list[int]:
+    """Powers of two below `max_batch_size`, plus `max_batch_size` itself."""
     buckets = {max_batch_size}
     size = 1
     while size < max_batch_size:
         buckets.add(size)
-        size = math.ceil(size * growth)
+        size *= 2
     return sorted(buckets)
 
 
@@ -229,8 +223,7 @@ class StaticGreedyDecoder:
             self.step_buckets = [max_batch_size]
             self.encoder_buckets = [min(ENCODER_ROWS, max_batch_size)]
         else:
-            self.step_buckets = _batch_buckets(max_batch_size)
-            self.encoder_buckets = _batch_buckets(max_batch_size, ENCODER_BUCKET_GROWTH)
+            self.step_buckets = self.encoder_buckets = _batch_buckets(max_batch_size)
 
         generation = model.generation_config
         start = generation.decoder_start_token_id
@@ -249,9 +242,10 @@ class StaticGreedyDecoder:
         # blocked layout (`_Projection`).
         self.linears = [_StepLinears.of(layer, self._cpu_bf16) for layer in decoder.layers]
         # On CUDA the encoder runs in fewer kernels where it can (`FusedEncoder`): a join's
-        # small encodings are bound by their launches.
+        # small encodings are bound by their launches. On a CPU there is no launch to
+        # save (and ONNX Runtime fuses the model's own encoder as well; bench/RESULTS.md).
         if fused_encoder is None:
-            fused_encoder = self.device.type == "cuda" and FUSED_ENCODER
+            fused_encoder = self.device.type == "cuda"
         self._fused_encoder = (
             FusedEncoder(model, decoder.layers, self.num_heads)
             if fused_encoder and FusedEncoder.supports(model)
