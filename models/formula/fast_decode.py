@@ -49,7 +49,9 @@ while the GPU idled; bench/HISTORY.md). Rows are padded up to a batch bucket,
 so the shapes are few (batch buckets x widths), and `warmup(input_shapes)`
 captures one encoder graph per shape before readiness: its replay writes the
 cross-attention K/V of every decoder layer into its width's scratch buffer, from
-which the group's rows are copied into place.
+which the group's rows are copied into place. An encoding of a few rows is bound by its
+kernel launches, so where the model allows, the graph holds `FusedEncoder`'s (the same
+arithmetic in about a third of the kernels; models/formula/fast_encode.py).
 
 Admitting rows costs the device more than it looks: a join of a dozen rows spans
 several width groups, each one encoder replay of about the same device time whatever
