@@ -104,21 +104,30 @@ def sweep(args, recognizer: FormulaRecognizer, device, sizes: list[int]) -> None
         del decoder
 
 
-@torch.inference_mode()
 def encoder_sweep(args, recognizer: FormulaRecognizer, device, sizes: list[int]) -> None:
-    """One JSON line per width bucket: ms per encoding of each row count, as a join's
-    width group runs it (`_load_source`: a graph replay on a GPU, eager on a CPU)."""
+    """One JSON line per width bucket among the benchmark's images: ms per encoding of
+    each row count."""
     recognizer.warmup(device, max(sizes))
-    decoder = recognizer.static_decoder(device)
     images = formula_images(args.data, 64)
     items = [recognizer.preprocess(image) for image in images]
-    widths = sorted({item.bucket for item in items})
+    for width, ms in encoding_ms(recognizer, device, items, sizes, args.repeats):
+        emit(args, record("formula-encoder-sweep", device, width=width, ms_by_rows=ms))
+
+
+@torch.inference_mode()
+def encoding_ms(
+    recognizer: FormulaRecognizer, device, items: list, sizes: list[int], repeats: int
+) -> list[tuple[int, dict[int, float]]]:
+    """For each width bucket of `items`, the mean ms of one encoding of each row count
+    (copies of one of its images) as a join's width group runs it (`_load_source`: a
+    graph replay on a GPU, eager on a CPU), into the decoder's first slots."""
+    decoder = recognizer.static_decoder(device)
     slots = list(range(max(sizes)))
     cuda = device.type == "cuda"
-    for width in widths:
+    results = []
+    for width in sorted({item.bucket for item in items}):
         item = next(item for item in items if item.bucket == width)
-        pixels, _, _ = recognizer.upload(decoder, [item])
-        group = pixels[0] if isinstance(pixels, list) else pixels
+        group = recognizer.upload(decoder, [item])[0][0]
         ms = {}
         for rows in sizes:
             batch = group[:1].expand(rows, *group.shape[1:]).contiguous()
@@ -126,13 +135,13 @@ def encoder_sweep(args, recognizer: FormulaRecognizer, device, sizes: list[int])
             if cuda:
                 torch.cuda.synchronize(device)
             started = time.perf_counter()
-            for _ in range(args.repeats):
+            for _ in range(repeats):
                 decoder._load_source(batch, slots[:rows])
             if cuda:
                 torch.cuda.synchronize(device)
-            ms[rows] = round(1000 * (time.perf_counter() - started) / args.repeats, 4)
-        fields = {"width": width, "source_len": decoder._slot_source[0], "ms_by_rows": ms}
-        emit(args, record("formula-encoder-sweep", device, **fields))
+            ms[rows] = round(1000 * (time.perf_counter() - started) / repeats, 4)
+        results.append((width, ms))
+    return results
 
 
 def emit(args, result: dict) -> None:

@@ -31,6 +31,10 @@ def test_probe_answers_requests_and_reports_its_phases(tiny_recognizer):
     assert set(record["host_ms_per_check"]) == {"harvest", "join", "run", "snapshot"}
     assert record["joins"] >= 1 and 1 <= record["requests_per_join"] <= 4
     assert 1 <= record["width_groups_per_join"] <= 2, "two distinct widths among the images"
+    # Every admitted row is encoded once; a CPU pads no encoder rows.
+    assert record["encoded_rows"] >= record["answered"]
+    assert record["encoded_rows_padded"] == record["encoded_rows"]
     assert "device_ms_per_check" not in record, "device times are CUDA events"
     assert decoder.running == 0, "every row answered and freed"
     assert "run" not in vars(decoder) and "_join" not in vars(recognizer), "timers removed"
+    assert "_load_source" not in vars(decoder), "the encoder's counter removed"
