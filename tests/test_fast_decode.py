@@ -342,6 +342,29 @@ def test_the_fused_encoder_gives_the_models_keys_values_and_tokens() -> None:
         assert tokens == _generate(model, pixels, 40).tolist()
 
 
+def test_a_fused_encoder_that_disagrees_with_the_models_is_not_used(monkeypatch, caplog) -> None:
+    """As a transformers version that lays out AIMv2's positions otherwise would make it."""
+    from transformers import VisionEncoderDecoderModel
+
+    from models.formula.fast_encode import FusedEncoder
+
+    model = VisionEncoderDecoderModel.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    grid = FusedEncoder._grid
+
+    def swapped(self, height, width, like):
+        positions = grid(self, height, width, like)
+        half = positions.shape[-1] // 2
+        return torch.cat([positions[..., half:], positions[..., :half]], dim=-1)
+
+    sizes = {"max_batch_size": 2, "max_new_tokens": 8, "max_source_len": 8 * 128}
+    assert StaticGreedyDecoder(model, fused_encoder=True, **sizes)._fused_encoder is not None
+    monkeypatch.setattr(FusedEncoder, "_grid", swapped)
+    with caplog.at_level("WARNING"):
+        decoder = StaticGreedyDecoder(model, fused_encoder=True, **sizes)
+    assert decoder._fused_encoder is None
+    assert "the fused one differs" in caplog.text
+
+
 def test_an_encoder_the_fused_one_does_not_reproduce_runs_as_the_model_defines(
     tiny_model,
 ) -> None:

@@ -248,11 +248,13 @@ class StaticGreedyDecoder:
         # save (and ONNX Runtime fuses the model's own encoder as well; bench/RESULTS.md).
         if fused_encoder is None:
             fused_encoder = self.device.type == "cuda"
-        self._fused_encoder = (
-            FusedEncoder(model, decoder.layers, self.num_heads)
-            if fused_encoder and FusedEncoder.supports(model)
-            else None
-        )
+        self._fused_encoder = None
+        if fused_encoder and FusedEncoder.supports(model):
+            fused = FusedEncoder(model, decoder.layers, self.num_heads)
+            if fused.agrees(model):
+                self._fused_encoder = fused
+            else:
+                logger.warning("encoding with the model's own encoder: the fused one differs")
         self.lm_projection = _Projection(self.lm_head.weight, self.lm_head.bias, self._cpu_bf16)
         self._allocate(len(decoder.layers), eos)
         self._graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
