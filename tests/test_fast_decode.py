@@ -342,8 +342,9 @@ def test_the_fused_encoder_gives_the_models_keys_values_and_tokens() -> None:
         assert tokens == _generate(model, pixels, 40).tolist()
 
 
-def test_a_fused_encoder_that_disagrees_with_the_models_is_not_used(monkeypatch, caplog) -> None:
-    """As a transformers version that lays out AIMv2's positions otherwise would make it."""
+def test_a_fused_encoder_that_disagrees_or_fails_is_not_used(monkeypatch, caplog) -> None:
+    """As a transformers version that lays out AIMv2's positions otherwise, or lacks the
+    helper that builds them, would make it."""
     from transformers import VisionEncoderDecoderModel
 
     from models.formula.fast_encode import FusedEncoder
@@ -363,6 +364,20 @@ def test_a_fused_encoder_that_disagrees_with_the_models_is_not_used(monkeypatch,
         decoder = StaticGreedyDecoder(model, fused_encoder=True, **sizes)
     assert decoder._fused_encoder is None
     assert "the fused one differs" in caplog.text
+
+    def missing(self, height, width, like):  # as without transformers' position helper
+        raise ImportError("no build_2d_sinusoidal_position_embedding")
+
+    monkeypatch.setattr(FusedEncoder, "_grid", missing)
+    with caplog.at_level("WARNING"):
+        decoder = StaticGreedyDecoder(model, fused_encoder=True, **sizes)
+    assert decoder._fused_encoder is None
+    assert "the fused one failed" in caplog.text
+    pixels = torch.where(torch.rand(2, 1, 64, 128) < 0.1, -1.0, 1.0)
+    assert (
+        decoder.decode(pixels, max_new_tokens=8).tokens.tolist()
+        == _generate(model, pixels, 8).tolist()
+    )
 
 
 def test_an_encoder_the_fused_one_does_not_reproduce_runs_as_the_model_defines(

@@ -51,7 +51,7 @@ captures one encoder graph per shape before readiness: its replay writes the
 cross-attention K/V of every decoder layer into its width's scratch buffer, from
 which the group's rows are copied into place. An encoding of a few rows is bound by its
 kernel launches, so where the model allows, the graph holds `FusedEncoder`'s (the same
-arithmetic in about a third of the kernels; models/formula/fast_encode.py).
+arithmetic in fewer kernels; models/formula/fast_encode.py).
 
 Admitting rows costs the device more than it looks: a join of a dozen rows spans
 several width groups, each one encoder replay of about the same device time whatever
@@ -250,11 +250,18 @@ class StaticGreedyDecoder:
             fused_encoder = self.device.type == "cuda"
         self._fused_encoder = None
         if fused_encoder and FusedEncoder.supports(model):
-            fused = FusedEncoder(model, decoder.layers, self.num_heads)
-            if fused.agrees(model):
-                self._fused_encoder = fused
+            try:
+                fused = FusedEncoder(model, decoder.layers, self.num_heads)
+                agrees = fused.agrees(model, self._model_encode)
+            except Exception as exc:  # a transformers version without what it reads
+                logger.warning(
+                    "encoding with the model's own encoder: the fused one failed (%s)", exc
+                )
             else:
-                logger.warning("encoding with the model's own encoder: the fused one differs")
+                if agrees:
+                    self._fused_encoder = fused
+                else:
+                    logger.warning("encoding with the model's own encoder: the fused one differs")
         self.lm_projection = _Projection(self.lm_head.weight, self.lm_head.bias, self._cpu_bf16)
         self._allocate(len(decoder.layers), eos)
         self._graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
@@ -614,6 +621,10 @@ class StaticGreedyDecoder:
         """Cross-attention K and V of every decoder layer: [2, layers, rows, heads, S, D]."""
         if self._fused_encoder is not None:
             return self._fused_encoder(pixel_values)
+        return self._model_encode(pixel_values)
+
+    def _model_encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """`_encode` by the model's own encoder and K/V projections."""
         return self._cross_kv(self.model.encoder(pixel_values=pixel_values).last_hidden_state)
 
     def _cross_kv(self, hidden: torch.Tensor) -> torch.Tensor:
