@@ -141,8 +141,7 @@ def probe(recognizer: FormulaRecognizer, device, items: list, concurrency: int, 
         count = pixel_values.shape[0]
         if count <= decoder.encoder_buckets[-1]:  # a larger group recurses in chunks
             encoded[0] += count
-            padded = decoder.pad_encoder_rows
-            encoded[1] += decoder._bucket_of(count, decoder.encoder_buckets) if padded else count
+            encoded[1] += decoder.encoder_rows(count)
         return load_source(pixel_values, slots)
 
     encode = counted_load_source

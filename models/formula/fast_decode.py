@@ -573,6 +573,11 @@ class StaticGreedyDecoder:
             )
         return self._lanes[shape]
 
+    def encoder_rows(self, count: int) -> int:
+        """The rows an encoding of `count` rows (at most the largest encoder bucket) runs:
+        padded up to a bucket where encodings are graphs of few shapes."""
+        return self._bucket_of(count, self.encoder_buckets) if self.pad_encoder_rows else count
+
     def _load_source(self, pixel_values: torch.Tensor, slots: list[int]) -> None:
         """Encode rows into `slots`: their cross-attention K/V and source mask."""
         count = pixel_values.shape[0]
@@ -581,7 +586,7 @@ class StaticGreedyDecoder:
             for start in range(0, count, chunk):
                 self._load_source(pixel_values[start : start + chunk], slots[start : start + chunk])
             return
-        padded = self._bucket_of(count, self.encoder_buckets) if self.pad_encoder_rows else count
+        padded = self.encoder_rows(count)
         graph = self._encoder_graphs.get((padded, *pixel_values.shape[1:]))
         if graph is not None:
             kv = graph.run(pixel_values)
