@@ -230,3 +230,33 @@ def test_checkpoints_of_other_vocabularies_are_not_averaged(tmp_path) -> None:
     with pytest.raises(SystemExit, match="differs"):
         average(["--out", str(tmp_path / "mean"), str(first), str(other)])
     assert not (tmp_path / "mean").exists()
+
+
+def test_checkpoints_saved_by_another_transformers_release_are_averaged(tmp_path) -> None:
+    """A continuation trained elsewhere writes its config with another release's defaults
+    spelled out; it is the same model, so it averages. A real difference is refused."""
+    import json
+
+    import pytest
+
+    from training.formula.average import main as average
+    from training.tiny import build_tiny_formula_model
+
+    first = build_tiny_formula_model(tmp_path / "a")
+    other = tmp_path / "b"
+    other.mkdir()
+    for path in first.iterdir():
+        (other / path.name).write_bytes(path.read_bytes())
+    config = json.loads((other / "config.json").read_text())
+    config["transformers_version"] = "5.17.0"
+    config["decoder"]["_name_or_path"] = ""
+    config["decoder"]["output_attentions"] = False  # a default, written out
+    (other / "config.json").write_text(json.dumps(config, indent=2))
+
+    average(["--out", str(tmp_path / "mean"), str(first), str(other)])
+    assert (tmp_path / "mean" / "model.safetensors").exists()
+
+    config["decoder"]["dropout"] = 0.25  # not what the first model trains with
+    (other / "config.json").write_text(json.dumps(config, indent=2))
+    with pytest.raises(SystemExit, match="config.json differs"):
+        average(["--out", str(tmp_path / "mean2"), str(first), str(other)])

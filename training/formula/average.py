@@ -22,14 +22,33 @@ import torch
 from safetensors.torch import load_file, save_file
 
 WEIGHTS = "model.safetensors"
-SHARED = ("config.json", "tokenizer.json")
+# Written by `save_pretrained` whatever the model: which transformers saved it, from where.
+SAVE_NOISE = ("transformers_version", "_name_or_path")
+
+
+def _config(model: Path) -> dict:
+    """The model's config as transformers reads it (defaults filled in), without what
+    only says where and by which version it was saved: a checkpoint saved by another
+    transformers release writes its config differently and is still the same model."""
+    from transformers import AutoConfig
+
+    def clean(value):
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items() if k not in SAVE_NOISE}
+        return value
+
+    return clean(AutoConfig.from_pretrained(model).to_dict())
 
 
 def _same_files(models: list[Path]) -> None:
-    for name in SHARED:
-        first = json.loads((models[0] / name).read_text())
+    checks = {
+        "config.json": _config,
+        "tokenizer.json": lambda model: json.loads((model / "tokenizer.json").read_text()),
+    }
+    for name, read in checks.items():
+        first = read(models[0])
         for other in models[1:]:
-            if json.loads((other / name).read_text()) != first:
+            if read(other) != first:
                 raise SystemExit(
                     f"{other / name} differs from {models[0] / name}: not one model's checkpoints"
                 )
