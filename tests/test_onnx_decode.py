@@ -141,3 +141,67 @@ def test_int8_steps_that_stray_fall_back_to_float32(tiny_model, caplog) -> None:
     plain.warmup(SHAPES)
     pixels = _pixels(2, 128, seed=9)
     assert torch.equal(int8.decode(pixels).tokens, plain.decode(pixels).tokens)
+
+
+def _lone_row_decoder(float_model):
+    from models.formula.onnx_decode import LoneRowInt8Decoder
+
+    model = copy.deepcopy(float_model).to(torch.bfloat16)
+    assert LoneRowInt8Decoder.supports(model) and not LoneRowInt8Decoder.supports(float_model)
+    sizes = {"max_batch_size": 4, "max_new_tokens": 24, "max_source_len": SOURCE_LEN}
+    decoder = LoneRowInt8Decoder(
+        model, float_model=float_model, example=_pixels(1, 64, seed=0), **sizes
+    )
+    decoder.warmup(SHAPES)
+    return decoder, StaticGreedyDecoder(model, **sizes)
+
+
+class _Counting:
+    def __init__(self, steps) -> None:
+        self.steps, self.calls = steps, 0
+
+    def run(self, feeds):
+        self.calls += 1
+        assert len(feeds["tokens"]) == 1
+        return self.steps.run(feeds)
+
+
+def test_a_bf16_model_steps_a_lone_row_with_the_int8_graph(attentive_model) -> None:
+    """On a CPU with bf16 matrix instructions: a step of one row runs the int8 graph, a
+    step of a batch runs bf16 PyTorch, on one cache, so a row joining a running decode
+    and the rows around it all finish."""
+    decoder, plain = _lone_row_decoder(attentive_model)
+    assert decoder.lone_row_int8
+    counting = decoder._lone = _Counting(decoder._lone)
+    alone = decoder.decode(_pixels(1, 64, seed=9))
+    assert counting.calls >= alone.rows[0].generated > 0
+    batch = _pixels(3, 128, seed=10)
+    calls = counting.calls
+    got = decoder.decode(batch)
+    assert counting.calls == calls, "a batch's steps ran the lone row's graph"
+    assert torch.equal(got.tokens, plain.decode(batch).tokens)  # bf16 PyTorch, as before
+    slots = decoder.admit(_pixels(1, 64, seed=11))
+    decoder.run()
+    assert counting.calls > calls
+    slots += decoder.admit(_pixels(1, 128, seed=12))
+    answers = {}
+    while decoder.running:
+        decoder.run()
+        answers.update(decoder.harvest())
+    assert sorted(answers) == sorted(slots)
+
+
+def test_without_the_int8_graph_every_step_runs_bf16(attentive_model, monkeypatch, caplog):
+    """Where the graph cannot be made (an exporter or quantizer failing), the decoder is
+    the bf16 one it was before, with a warning."""
+    from models.formula import onnx_decode
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no exporter here")
+
+    monkeypatch.setattr(onnx_decode, "_graphs", broken)
+    decoder, plain = _lone_row_decoder(attentive_model)
+    assert not decoder.lone_row_int8 and "bf16" in caplog.text
+    for batch, seed in [(1, 13), (3, 14)]:
+        pixels = _pixels(batch, 64, seed)
+        assert torch.equal(decoder.decode(pixels).tokens, plain.decode(pixels).tokens)

@@ -39,7 +39,7 @@ from models.devices import (
     side_stream,
 )
 from models.formula.fast_decode import StaticGreedyDecoder, token_ids
-from models.formula.onnx_decode import OnnxStaticDecoder
+from models.formula.onnx_decode import LoneRowInt8Decoder, OnnxStaticDecoder
 from models.formula.preprocess import (
     FormulaImageSpec,
     FormulaInput,
@@ -342,6 +342,15 @@ class FormulaRecognizer(Model):
                 decoder = OnnxStaticDecoder(model, example=pixels, int8=int8, **sizes)
             except Exception as exc:  # an architecture the exporter does not take
                 log.warning("decoding with PyTorch: ONNX export failed (%s)", exc)
+        elif LoneRowInt8Decoder.supports(model) and self.dtype_setting == "auto":
+            # bf16 for batches, the int8 graph for a row alone (`LoneRowInt8Decoder`).
+            float_model = VisionEncoderDecoderModel.from_pretrained(
+                self.source, dtype=torch.float32
+            ).eval()
+            decoder = LoneRowInt8Decoder(
+                model, float_model=float_model, example=pixels.float(), **sizes
+            )
+            del float_model
         if decoder is None:
             decoder = StaticGreedyDecoder(
                 model,

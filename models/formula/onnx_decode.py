@@ -310,29 +310,105 @@ class OnnxStaticDecoder(StaticGreedyDecoder):
     def _logits(self, rows, tokens, positions, self_mask, source_len) -> torch.Tensor:
         if not self.onnx:
             return super()._logits(rows, tokens, positions, self_mask, source_len)
-        cache_len = self_mask.shape[-1]
-        key = (rows, source_len, self._cross_version)
-        if self._cross_inputs is None or self._cross_inputs[0] != key:
-            self._cross_inputs = (
-                key,
-                self.cross_k[:, :rows, :, :source_len].contiguous().numpy(),
-                self.cross_v[:, :rows, :, :source_len].contiguous().numpy(),
-            )
-        _, cross_k, cross_v = self._cross_inputs
-        logits, new_k, new_v = self._stepper.run(
-            {
-                "tokens": tokens.numpy(),
-                "positions": positions.numpy(),
-                "self_mask": self_mask.numpy(),
-                "past_k": self.self_k[:, :rows, :, :cache_len].contiguous().numpy(),
-                "past_v": self.self_v[:, :rows, :, :cache_len].contiguous().numpy(),
-                "cross_k": cross_k,
-                "cross_v": cross_v,
-                "source_mask": self.source_mask[:rows, ..., :source_len].contiguous().numpy(),
-            },
+        return _graph_step(self, self._stepper, rows, tokens, positions, self_mask, source_len)
+
+
+def _graph_step(decoder, stepper, rows, tokens, positions, self_mask, source_len) -> torch.Tensor:
+    """`StaticGreedyDecoder._logits` run by a step graph on `decoder`'s buffers (its
+    float32 cache and cross-attention K/V): the logits, the new K/V written into the
+    cache. The rows' cross K/V are made contiguous again only when admission changed
+    them (`decoder._cross_version`) or the rows or source length differ."""
+    cache_len = self_mask.shape[-1]
+    key = (rows, source_len, decoder._cross_version)
+    if decoder._cross_inputs is None or decoder._cross_inputs[0] != key:
+        decoder._cross_inputs = (
+            key,
+            decoder.cross_k[:, :rows, :, :source_len].contiguous().numpy(),
+            decoder.cross_v[:, :rows, :, :source_len].contiguous().numpy(),
         )
-        layers, _, heads, _, dim = new_k.shape
-        write = positions[None, :, None, None, None].expand(layers, rows, heads, 1, dim)
-        self.self_k[:, :rows].scatter_(3, write, torch.from_numpy(new_k))
-        self.self_v[:, :rows].scatter_(3, write, torch.from_numpy(new_v))
-        return torch.from_numpy(logits)
+    _, cross_k, cross_v = decoder._cross_inputs
+    logits, new_k, new_v = stepper.run(
+        {
+            "tokens": tokens.numpy(),
+            "positions": positions.numpy(),
+            "self_mask": self_mask.numpy(),
+            "past_k": decoder.self_k[:, :rows, :, :cache_len].contiguous().numpy(),
+            "past_v": decoder.self_v[:, :rows, :, :cache_len].contiguous().numpy(),
+            "cross_k": cross_k,
+            "cross_v": cross_v,
+            "source_mask": decoder.source_mask[:rows, ..., :source_len].contiguous().numpy(),
+        },
+    )
+    layers, _, heads, _, dim = new_k.shape
+    write = positions[None, :, None, None, None].expand(layers, rows, heads, 1, dim)
+    decoder.self_k[:, :rows].scatter_(3, write, torch.from_numpy(new_k))
+    decoder.self_v[:, :rows].scatter_(3, write, torch.from_numpy(new_v))
+    return torch.from_numpy(logits)
+
+
+class LoneRowInt8Decoder(StaticGreedyDecoder):
+    """A bf16 model's static decoder on a CPU whose steps of a row alone run the int8
+    step graph of `OnnxStaticDecoder`.
+
+    Why: on a processor with bf16 matrix instructions, bf16 PyTorch decodes a batch about
+    twice as fast as the int8 graph, and a row alone 1.6x slower (bench/RESULTS.md, "bf16
+    or int8 decoding on a CPU with AMX"). So a step of one row runs the int8 graph and a
+    step of more runs bf16, on the same float32 cache: rows join and leave a running
+    decode (the stream) without moving anything. The encoder is the bf16 model's.
+
+    How: the int8 graph is exported from `float_model` (the same weights in float32) by
+    an `OnnxStaticDecoder` of one row, checked at its warm-up against float32; where the
+    export, the check or the quantizer fails, every step runs bf16, as before.
+    """
+
+    @staticmethod
+    def supports(model) -> bool:
+        return (
+            StaticGreedyDecoder.supports(model)
+            and model.device.type == "cpu"
+            and model.dtype == torch.bfloat16
+            and model.decoder.config.use_learned_position_embeddings
+            and available()
+        )
+
+    def __init__(self, model, *, float_model, example: torch.Tensor, **kwargs) -> None:
+        """`float_model`: the model's weights in float32 (read only to make the graph);
+        `example`: float32 pixels [1, C, H, W] of the model's input shape."""
+        super().__init__(model, **kwargs)
+        self._lone = None
+        self._cross_version = 0
+        self._cross_inputs: tuple[tuple[int, int, int], np.ndarray, np.ndarray] | None = None
+        self._int8_graphs: OnnxStaticDecoder | None = None
+        try:  # two rows: the warm-up's check steps a start token and a pad
+            rows = min(2, kwargs["max_batch_size"])
+            sizes = {**kwargs, "max_batch_size": rows}
+            self._int8_graphs = OnnxStaticDecoder(float_model, example=example, int8=True, **sizes)
+        except Exception as exc:  # an architecture the exporter does not take
+            logger.warning("decoding every step in bf16: ONNX export failed (%s)", exc)
+
+    @torch.inference_mode()
+    def warmup(self, input_shapes=()) -> None:
+        """The int8 graph checked as `OnnxStaticDecoder` checks it, and kept only if it
+        passes; then the bf16 decoder's own warm-up."""
+        graphs, self._int8_graphs = self._int8_graphs, None
+        if graphs is not None:
+            graphs.warmup(input_shapes)
+            if graphs.onnx and graphs._stepper is graphs._int8_step is not None:
+                self._lone = graphs._int8_step
+            else:
+                logger.warning("decoding every step in bf16: the int8 step graph did not check")
+        super().warmup(input_shapes)
+
+    @property
+    def lone_row_int8(self) -> bool:
+        """Whether a step of a row alone runs the int8 graph."""
+        return self._lone is not None
+
+    def _store_source(self, kv, slots, mask=None) -> None:
+        super()._store_source(kv, slots, mask)
+        self._cross_version += 1
+
+    def _logits(self, rows, tokens, positions, self_mask, source_len) -> torch.Tensor:
+        if rows != 1 or self._lone is None:
+            return super()._logits(rows, tokens, positions, self_mask, source_len)
+        return _graph_step(self, self._lone, rows, tokens, positions, self_mask, source_len)
