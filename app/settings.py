@@ -235,7 +235,8 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto",
         description="auto is fp16/bf16 on GPUs; on a CPU, bf16 where it has bf16 "
-        "instructions, else fp32 with the formula decoder's weights in int8.",
+        "instructions (a formula decoded alone steps in int8), else fp32 with the "
+        "formula decoder's weights in int8.",
     )
     request_timeout_s: float = Field(
         60.0, gt=0, description="Deadline of a request from arrival; past it, 504."
