@@ -357,7 +357,7 @@ class LoneRowInt8Decoder(StaticGreedyDecoder):
     decode (the stream) without moving anything. The encoder is the bf16 model's.
 
     How: the int8 graph is exported from `float_model` (the same weights in float32) by
-    an `OnnxStaticDecoder` of one row, checked at its warm-up against float32; where the
+    an `OnnxStaticDecoder` of two rows, checked at its warm-up against float32; where the
     export, the check or the quantizer fails, every step runs bf16, as before.
     """
 
