@@ -350,7 +350,6 @@ class FormulaRecognizer(Model):
             decoder = LoneRowInt8Decoder(
                 model, float_model=float_model, example=pixels.float(), **sizes
             )
-            del float_model
         if decoder is None:
             decoder = StaticGreedyDecoder(
                 model,

@@ -225,18 +225,69 @@ def _close_int8(int8: torch.Tensor, float32: torch.Tensor) -> bool:
     )
 
 
-class OnnxStaticDecoder(StaticGreedyDecoder):
+class _GraphStepDecoder(StaticGreedyDecoder):
+    """`StaticGreedyDecoder` on a CPU whose steps can run a step graph (`_Steps`) on its
+    own buffers: its float32 cache and cross-attention K/V."""
+
+    @staticmethod
+    def _fits(model, dtype: torch.dtype) -> bool:
+        """A TrOCR-decoded model of `dtype` on a CPU, whose steps the graph can trace."""
+        return (
+            StaticGreedyDecoder.supports(model)
+            and model.device.type == "cpu"
+            and model.dtype == dtype
+            and model.decoder.config.use_learned_position_embeddings
+            and available()
+        )
+
+    def __init__(self, model, **kwargs) -> None:
+        super().__init__(model, **kwargs)
+        # The cross-attention K/V of the rows a step reads, contiguous for ONNX Runtime:
+        # made again only when admission changed them or the rows or length differ.
+        self._cross_version = 0
+        self._cross_inputs: tuple[tuple[int, int, int], np.ndarray, np.ndarray] | None = None
+
+    def _store_source(self, kv, slots, mask=None) -> None:
+        super()._store_source(kv, slots, mask)
+        self._cross_version += 1
+
+    def _graph_step(self, stepper, rows, tokens, positions, self_mask, source_len):
+        """`StaticGreedyDecoder._logits` run by `stepper`'s graph: the logits, the new K/V
+        written into the cache."""
+        cache_len = self_mask.shape[-1]
+        key = (rows, source_len, self._cross_version)
+        if self._cross_inputs is None or self._cross_inputs[0] != key:
+            self._cross_inputs = (
+                key,
+                self.cross_k[:, :rows, :, :source_len].contiguous().numpy(),
+                self.cross_v[:, :rows, :, :source_len].contiguous().numpy(),
+            )
+        _, cross_k, cross_v = self._cross_inputs
+        logits, new_k, new_v = stepper.run(
+            {
+                "tokens": tokens.numpy(),
+                "positions": positions.numpy(),
+                "self_mask": self_mask.numpy(),
+                "past_k": self.self_k[:, :rows, :, :cache_len].contiguous().numpy(),
+                "past_v": self.self_v[:, :rows, :, :cache_len].contiguous().numpy(),
+                "cross_k": cross_k,
+                "cross_v": cross_v,
+                "source_mask": self.source_mask[:rows, ..., :source_len].contiguous().numpy(),
+            },
+        )
+        layers, _, heads, _, dim = new_k.shape
+        write = positions[None, :, None, None, None].expand(layers, rows, heads, 1, dim)
+        self.self_k[:, :rows].scatter_(3, write, torch.from_numpy(new_k))
+        self.self_v[:, :rows].scatter_(3, write, torch.from_numpy(new_v))
+        return torch.from_numpy(logits)
+
+
+class OnnxStaticDecoder(_GraphStepDecoder):
     """`StaticGreedyDecoder` on a CPU, its encoder and step math run by ONNX Runtime."""
 
     @staticmethod
     def supports(model) -> bool:
-        return (
-            StaticGreedyDecoder.supports(model)
-            and model.device.type == "cpu"
-            and model.dtype == torch.float32
-            and model.decoder.config.use_learned_position_embeddings
-            and available()
-        )
+        return _GraphStepDecoder._fits(model, torch.float32)
 
     def __init__(self, model, *, example: torch.Tensor, int8: bool = False, **kwargs) -> None:
         """`example`: pixels [1, C, H, W] of the model's input shape (any width); `int8`:
@@ -257,10 +308,6 @@ class OnnxStaticDecoder(StaticGreedyDecoder):
         self._stepper = self._int8_step or self._float_step
         self._example_shape = tuple(example.shape[1:])
         self.onnx = True  # until warm-up finds a width its graphs do not reproduce
-        # The cross-attention K/V of the rows a step reads, contiguous for ONNX Runtime:
-        # made again only when admission changed them or the rows or length differ.
-        self._cross_version = 0
-        self._cross_inputs: tuple[tuple[int, int, int], np.ndarray, np.ndarray] | None = None
 
     @torch.inference_mode()
     def warmup(self, input_shapes=()) -> None:
@@ -303,50 +350,13 @@ class OnnxStaticDecoder(StaticGreedyDecoder):
         (kv,) = self._encoder.run(None, {"pixels": pixel_values.contiguous().numpy()})
         return torch.from_numpy(kv)
 
-    def _store_source(self, kv, slots, mask=None) -> None:
-        super()._store_source(kv, slots, mask)
-        self._cross_version += 1
-
     def _logits(self, rows, tokens, positions, self_mask, source_len) -> torch.Tensor:
         if not self.onnx:
             return super()._logits(rows, tokens, positions, self_mask, source_len)
-        return _graph_step(self, self._stepper, rows, tokens, positions, self_mask, source_len)
+        return self._graph_step(self._stepper, rows, tokens, positions, self_mask, source_len)
 
 
-def _graph_step(decoder, stepper, rows, tokens, positions, self_mask, source_len) -> torch.Tensor:
-    """`StaticGreedyDecoder._logits` run by a step graph on `decoder`'s buffers (its
-    float32 cache and cross-attention K/V): the logits, the new K/V written into the
-    cache. The rows' cross K/V are made contiguous again only when admission changed
-    them (`decoder._cross_version`) or the rows or source length differ."""
-    cache_len = self_mask.shape[-1]
-    key = (rows, source_len, decoder._cross_version)
-    if decoder._cross_inputs is None or decoder._cross_inputs[0] != key:
-        decoder._cross_inputs = (
-            key,
-            decoder.cross_k[:, :rows, :, :source_len].contiguous().numpy(),
-            decoder.cross_v[:, :rows, :, :source_len].contiguous().numpy(),
-        )
-    _, cross_k, cross_v = decoder._cross_inputs
-    logits, new_k, new_v = stepper.run(
-        {
-            "tokens": tokens.numpy(),
-            "positions": positions.numpy(),
-            "self_mask": self_mask.numpy(),
-            "past_k": decoder.self_k[:, :rows, :, :cache_len].contiguous().numpy(),
-            "past_v": decoder.self_v[:, :rows, :, :cache_len].contiguous().numpy(),
-            "cross_k": cross_k,
-            "cross_v": cross_v,
-            "source_mask": decoder.source_mask[:rows, ..., :source_len].contiguous().numpy(),
-        },
-    )
-    layers, _, heads, _, dim = new_k.shape
-    write = positions[None, :, None, None, None].expand(layers, rows, heads, 1, dim)
-    decoder.self_k[:, :rows].scatter_(3, write, torch.from_numpy(new_k))
-    decoder.self_v[:, :rows].scatter_(3, write, torch.from_numpy(new_v))
-    return torch.from_numpy(logits)
-
-
-class LoneRowInt8Decoder(StaticGreedyDecoder):
+class LoneRowInt8Decoder(_GraphStepDecoder):
     """A bf16 model's static decoder on a CPU whose steps of a row alone run the int8
     step graph of `OnnxStaticDecoder`.
 
@@ -363,21 +373,13 @@ class LoneRowInt8Decoder(StaticGreedyDecoder):
 
     @staticmethod
     def supports(model) -> bool:
-        return (
-            StaticGreedyDecoder.supports(model)
-            and model.device.type == "cpu"
-            and model.dtype == torch.bfloat16
-            and model.decoder.config.use_learned_position_embeddings
-            and available()
-        )
+        return _GraphStepDecoder._fits(model, torch.bfloat16)
 
     def __init__(self, model, *, float_model, example: torch.Tensor, **kwargs) -> None:
         """`float_model`: the model's weights in float32 (read only to make the graph);
         `example`: float32 pixels [1, C, H, W] of the model's input shape."""
         super().__init__(model, **kwargs)
         self._lone = None
-        self._cross_version = 0
-        self._cross_inputs: tuple[tuple[int, int, int], np.ndarray, np.ndarray] | None = None
         self._int8_graphs: OnnxStaticDecoder | None = None
         try:  # two rows: the warm-up's check steps a start token and a pad
             rows = min(2, kwargs["max_batch_size"])
@@ -404,11 +406,7 @@ class LoneRowInt8Decoder(StaticGreedyDecoder):
         """Whether a step of a row alone runs the int8 graph."""
         return self._lone is not None
 
-    def _store_source(self, kv, slots, mask=None) -> None:
-        super()._store_source(kv, slots, mask)
-        self._cross_version += 1
-
     def _logits(self, rows, tokens, positions, self_mask, source_len) -> torch.Tensor:
         if rows != 1 or self._lone is None:
             return super()._logits(rows, tokens, positions, self_mask, source_len)
-        return _graph_step(self, self._lone, rows, tokens, positions, self_mask, source_len)
+        return self._graph_step(self._lone, rows, tokens, positions, self_mask, source_len)
