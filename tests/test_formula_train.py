@@ -260,3 +260,16 @@ def test_checkpoints_saved_by_another_transformers_release_are_averaged(tmp_path
     (other / "config.json").write_text(json.dumps(config, indent=2))
     with pytest.raises(SystemExit, match="config.json differs"):
         average(["--out", str(tmp_path / "mean2"), str(first), str(other)])
+
+
+def test_cycles_restart_the_cosine_decay_at_the_peak() -> None:
+    from training.formula.train import lr_at
+
+    peak, warmup = 1e-4, 10
+    one = [lr_at(100, p, warmup, peak) for p in (0.0, 0.5, 0.999, 1.0)]
+    assert one[0] == peak and one[1] < peak and one[2] < 0.03 * peak and one[3] == 0.02 * peak
+    three = [lr_at(100, p, warmup, peak, cycles=3) for p in (0.0, 0.333, 1 / 3 + 1e-6, 0.999)]
+    assert three[0] == peak and three[1] < 0.03 * peak  # annealed at each cycle's end
+    assert abs(three[2] - peak) < 1e-9  # and restarted
+    assert three[3] < 0.03 * peak
+    assert lr_at(4, 0.0, warmup, peak, cycles=3) == peak * 5 / warmup  # warm-up once

@@ -7,8 +7,9 @@
 # their size). Continuation N comes back as $OUT/cN.tar.* (a folder fm/), cN.log, cN.jsonl;
 # each takes about MINUTES plus 1.5 minutes of loading and scoring.
 #   carry: .fd .whlt .rs/pack (bench/device/bundle.sh; the sets are files of .rs/pack)
-#   command: [LR=1e-4] bash bench/device/formula_chain.sh MINUTES SEED SETS [SETS...]
-#   (SETS: one continuation's comma-separated LaTeX-drawn sets)
+#   command: [LR=1e-4] [CYCLES=N] bash bench/device/formula_chain.sh MINUTES SEED SETS [SETS...]
+#   (SETS: one continuation's comma-separated LaTeX-drawn sets; CYCLES: restart each
+#   continuation's schedule N times, train.py --cycles, its cycle ends in the same tar)
 #   e.g.:    bash bench/device/formula_chain.sh 3 131 .rs/pack/a.lvl.xz,.rs/pack/b.lvl.xz \
 #                .rs/pack/b.lvl.xz,.rs/pack/c.lvl.xz
 MINUTES=${1:?usage: bash bench/device/formula_chain.sh MINUTES SEED SETS [SETS...]}
@@ -25,7 +26,7 @@ for sets in "$@"; do
     rm -rf /tmp/fm
     INIT=$init TAG=c$n bash bench/device/formula_train.sh 0 "$MINUTES" "${LR:-1e-4}" 0.3 \
         $((SEED + n - 1)) --school /tmp/d/k12-formulas --rendered "$sets" \
-        --rendered-fraction 0.45 --small-share 0.5 --merges 50
+        --rendered-fraction 0.45 --small-share 0.5 --merges 50 ${CYCLES:+--cycles "$CYCLES"}
     grep -E "^\| (BLEU|norm|exact)|trained|rc=" "$OUT/c$n.log"
     [ -f /tmp/fm/model.safetensors ] || exit 1
     rm -rf "/tmp/c$n" && cp -r /tmp/fm "/tmp/c$n" && init=/tmp/c$n

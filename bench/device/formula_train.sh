@@ -4,7 +4,8 @@
 # Expects the wheels installed and the data unpacked at /tmp/d (the calling script does).
 #   usage: [INIT=DIR] [TAG=NAME] bash bench/device/formula_train.sh GPU MINUTES
 #          [LR [REAL_FRACTION [SEED [EXTRA...]]]]
-#   EXTRA: more train.py options, e.g. --grow-decoder-to 6
+#   EXTRA: more train.py options, e.g. --grow-decoder-to 6 (with --cycles N, the ends of
+#   the first N-1 cycles come back too, as fm-cycle1 ... beside fm in the same tar)
 #   INIT: the model continued (the shipped one); TAG: the names under $OUT (fm: fm.tar.*,
 #   train.log, formula.jsonl; any other: TAG.tar.*, TAG.log, TAG.jsonl)
 GPU=$1 MINUTES=$2 LR=${3:-3e-4} REAL=${4:-0.3} SEED=${5:-8}
@@ -15,7 +16,7 @@ LOG=$OUT/$([ "$TAG" = fm ] && echo train || echo "$TAG").log
 JSONL=$OUT/$([ "$TAG" = fm ] && echo formula || echo "$TAG").jsonl
 (
     set -x
-    rm -f /tmp/formula.jsonl
+    rm -rf /tmp/formula.jsonl /tmp/fm-cycle*
     CUDA_VISIBLE_DEVICES=$GPU timeout $(python3 -c "print(int($MINUTES * 60 + 150))") \
         python3 -m training.formula.train \
         --data /tmp/d/im2latex-val --init-from "$INIT" --out /tmp/fm \
@@ -24,5 +25,5 @@ JSONL=$OUT/$([ "$TAG" = fm ] && echo formula || echo "$TAG").jsonl
         --log /tmp/formula.jsonl "$@"
     echo "train rc=$? after $(( $(date +%s) - T0 ))s"
     cp /tmp/formula.jsonl "$JSONL"
-    tar cf - -C /tmp fm | split -b 15m - "$OUT/$TAG.tar."
+    tar cf - -C /tmp fm $(cd /tmp && ls -d fm-cycle* 2>/dev/null) | split -b 15m - "$OUT/$TAG.tar."
 ) > "$LOG" 2>&1

@@ -23,6 +23,7 @@ tokenizer, preprocessor and generation configs).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import multiprocessing as mp
@@ -361,11 +362,16 @@ def gpu_pixels(
     return x[:, None].expand(-1, spec.channels, -1, -1)
 
 
-def lr_at(step: int, progress: float, warmup: int, peak: float) -> float:
-    """Linear warm-up over `warmup` steps, then cosine decay to 2% as `progress` goes 0 -> 1."""
+def lr_at(step: int, progress: float, warmup: int, peak: float, cycles: int = 1) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to 2% as `progress` goes 0 -> 1.
+
+    With `cycles` > 1 the decay restarts at `peak` that many times (a warm restart, no
+    second warm-up), so the run passes through `cycles` annealed points.
+    """
     if step < warmup:
         return peak * (step + 1) / warmup
-    return peak * (0.02 + 0.98 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    within = 1.0 if progress >= 1.0 else (progress * cycles) % 1.0
+    return peak * (0.02 + 0.98 * 0.5 * (1 + math.cos(math.pi * within)))
 
 
 def evaluate_dev(model, tokenizer, spec, strips, references, device, batch_size=128):
@@ -438,6 +444,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dec-dim", type=int, default=256)
     parser.add_argument("--dec-layers", type=int, default=4)
     parser.add_argument("--eval-every", type=int, default=1000)
+    parser.add_argument(
+        "--cycles",
+        type=int,
+        default=1,
+        help="restart the cosine schedule this many times; the end of every cycle but the "
+        "last is saved beside --out as OUT-cycleN, checkpoints of one run to average",
+    )
     parser.add_argument("--init-from", default="", help="continue training this saved model")
     parser.add_argument(
         "--grow-decoder-to",
@@ -584,7 +597,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             done = max(done, (time.perf_counter() - loop_started) / (args.max_minutes * 60))
         return done
 
+    cycles_saved = 0
     while (position := schedule_position()) < 1.0:
+        if int(position * args.cycles) > cycles_saved:
+            cycles_saved += 1
+            snapshot = Path(f"{args.out}-cycle{cycles_saved}")
+            save_model(copy.deepcopy(model), tokenizer, spec, snapshot)
+            print(f"step {step}: cycle {cycles_saved} saved to {snapshot}", flush=True)
+            log({"event": "cycle", "cycle": cycles_saved, "step": step})
         if not pending:
             total = group * args.batch_size
             n_rendered = int(total * rendered_fraction)
@@ -603,7 +623,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         decoder_inputs = decoder_inputs.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         for group_ in optimizer.param_groups:
-            group_["lr"] = lr_at(step, position, args.warmup, args.lr)
+            group_["lr"] = lr_at(step, position, args.warmup, args.lr, args.cycles)
         with torch.autocast(
             device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"
         ):
