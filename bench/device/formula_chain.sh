@@ -5,7 +5,8 @@
 # (batches mostly im2latex-like: real 0.3, LaTeX-drawn 0.45, the rest drawn on the fly,
 # half of it school maths; half of the real and drawn pictures also at 0.4-0.7 times
 # their size). Continuation N comes back as $OUT/cN.tar.* (a folder fm/), cN.log, cN.jsonl;
-# each takes about MINUTES plus 1.5 minutes of loading and scoring.
+# each takes about MINUTES plus 1.5 minutes of loading and scoring. A call brings back at
+# most 64 MiB, two models: two continuations, or one with CYCLES (its end and fm-mean).
 #   carry: .fd .whlt .rs/pack (bench/device/bundle.sh; the sets are files of .rs/pack)
 #   command: [LR=1e-4] [CYCLES=N] bash bench/device/formula_chain.sh MINUTES SEED SETS [SETS...]
 #   (SETS: one continuation's comma-separated LaTeX-drawn sets; CYCLES: restart each

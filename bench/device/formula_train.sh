@@ -4,8 +4,8 @@
 # Expects the wheels installed and the data unpacked at /tmp/d (the calling script does).
 #   usage: [INIT=DIR] [TAG=NAME] bash bench/device/formula_train.sh GPU MINUTES
 #          [LR [REAL_FRACTION [SEED [EXTRA...]]]]
-#   EXTRA: more train.py options, e.g. --grow-decoder-to 6 (with --cycles N, the ends of
-#   the first N-1 cycles come back too, as fm-cycle1 ... beside fm in the same tar)
+#   EXTRA: more train.py options, e.g. --grow-decoder-to 6 (with --cycles N, the mean of
+#   every cycle's end comes back too, as fm-mean beside fm in the same tar)
 #   INIT: the model continued (the shipped one); TAG: the names under $OUT (fm: fm.tar.*,
 #   train.log, formula.jsonl; any other: TAG.tar.*, TAG.log, TAG.jsonl)
 GPU=$1 MINUTES=$2 LR=${3:-3e-4} REAL=${4:-0.3} SEED=${5:-8}
@@ -25,5 +25,11 @@ JSONL=$OUT/$([ "$TAG" = fm ] && echo formula || echo "$TAG").jsonl
         --log /tmp/formula.jsonl "$@"
     echo "train rc=$? after $(( $(date +%s) - T0 ))s"
     cp /tmp/formula.jsonl "$JSONL"
-    tar cf - -C /tmp fm $(cd /tmp && ls -d fm-cycle* 2>/dev/null) | split -b 15m - "$OUT/$TAG.tar."
+    # Two models fit what a call brings back (64 MiB); three do not. So with --cycles the
+    # cycle ends are averaged here with the end, and the end and that mean come back.
+    cycles=$(cd /tmp && ls -d fm-cycle* 2>/dev/null)
+    rm -rf /tmp/fm-mean
+    [ -z "$cycles" ] || python3 -m training.formula.average --out /tmp/fm-mean \
+        $(for c in $cycles; do echo /tmp/$c; done) /tmp/fm
+    tar cf - -C /tmp fm $([ -z "$cycles" ] || echo fm-mean) | split -b 15m - "$OUT/$TAG.tar."
 ) > "$LOG" 2>&1
