@@ -15,7 +15,8 @@ is padded like a server batch. With `--small-share`, a share of the real and
 rendered pictures is also shown smaller (`smaller_copies`), as a screenshot taken at a
 lower resolution gives it. With `--merges`, the vocabulary gains merged tokens
 (`learn_merges`: `_ {`, `^ { 2 }`, ...), so the model writes a formula in fewer steps;
-a continued model's new rows start at the mean of their parts' rows. At the end the
+a continued model's new rows start at the mean of their parts' rows. With `--cycles`, the
+schedule restarts and each cycle's end is saved, checkpoints to average. At the end the
 dev split is decoded greedily and scored, and the model is saved (fp16 safetensors,
 tokenizer, preprocessor and generation configs).
 """
@@ -365,8 +366,8 @@ def gpu_pixels(
 def lr_at(step: int, progress: float, warmup: int, peak: float, cycles: int = 1) -> float:
     """Linear warm-up over `warmup` steps, then cosine decay to 2% as `progress` goes 0 -> 1.
 
-    With `cycles` > 1 the decay restarts at `peak` that many times (a warm restart, no
-    second warm-up), so the run passes through `cycles` annealed points.
+    With `cycles` > 1 the decay runs that many times in a row, each restarting at `peak`
+    (a warm restart, no second warm-up), so the run passes through `cycles` annealed points.
     """
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -448,8 +449,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--cycles",
         type=int,
         default=1,
-        help="restart the cosine schedule this many times; the end of every cycle but the "
-        "last is saved beside --out as OUT-cycleN, checkpoints of one run to average",
+        help="run the cosine decay this many times in a row, each restarting at --lr; the "
+        "end of every cycle but the last is saved beside --out as OUT-cycleN, checkpoints "
+        "of one run to average (training.formula.average)",
     )
     parser.add_argument("--init-from", default="", help="continue training this saved model")
     parser.add_argument(
