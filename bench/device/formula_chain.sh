@@ -9,8 +9,8 @@
 # most 64 MiB, two models: two continuations, or one with CYCLES (its end and fm-mean).
 #   carry: .fd .whlt .rs/pack (bench/device/bundle.sh; the sets are files of .rs/pack)
 #   command: [LR=1e-4] [CYCLES=N] bash bench/device/formula_chain.sh MINUTES SEED SETS [SETS...]
-#   (SETS: one continuation's comma-separated LaTeX-drawn sets; CYCLES: restart each
-#   continuation's schedule N times, train.py --cycles, its cycle ends in the same tar)
+#   (SETS: one continuation's comma-separated LaTeX-drawn sets; CYCLES: each continuation
+#   trains with train.py --cycles N, and the mean of its cycle ends comes back beside it)
 #   e.g.:    bash bench/device/formula_chain.sh 3 131 .rs/pack/a.lvl.xz,.rs/pack/b.lvl.xz \
 #                .rs/pack/b.lvl.xz,.rs/pack/c.lvl.xz
 MINUTES=${1:?usage: bash bench/device/formula_chain.sh MINUTES SEED SETS [SETS...]}

@@ -27,9 +27,8 @@ JSONL=$OUT/$([ "$TAG" = fm ] && echo formula || echo "$TAG").jsonl
     cp /tmp/formula.jsonl "$JSONL"
     # Two models fit what a call brings back (64 MiB); three do not. So with --cycles the
     # cycle ends are averaged here with the end, and the end and that mean come back.
-    cycles=$(cd /tmp && ls -d fm-cycle* 2>/dev/null)
+    cycles=$(ls -d /tmp/fm-cycle* 2>/dev/null)
     rm -rf /tmp/fm-mean
-    [ -z "$cycles" ] || python3 -m training.formula.average --out /tmp/fm-mean \
-        $(for c in $cycles; do echo /tmp/$c; done) /tmp/fm
+    [ -z "$cycles" ] || python3 -m training.formula.average --out /tmp/fm-mean $cycles /tmp/fm
     tar cf - -C /tmp fm $([ -z "$cycles" ] || echo fm-mean) | split -b 15m - "$OUT/$TAG.tar."
 ) > "$LOG" 2>&1

@@ -339,6 +339,11 @@ class OnnxStaticDecoder(_GraphStepDecoder):
             self._stepper = self._float_step
         super().warmup(input_shapes)
 
+    @property
+    def checked_int8_step(self) -> _Steps | None:
+        """The int8 step graph where warm-up checked it and steps run it, else None."""
+        return self._int8_step if self.onnx and self._stepper is self._int8_step else None
+
     def _fall_back(self, why: str, input_shapes) -> None:
         logger.warning("decoding with PyTorch: ONNX Runtime's graphs disagree (%s)", why)
         self.onnx = False
@@ -395,9 +400,8 @@ class LoneRowInt8Decoder(_GraphStepDecoder):
         graphs, self._int8_graphs = self._int8_graphs, None
         if graphs is not None:
             graphs.warmup(input_shapes)
-            if graphs.onnx and graphs._stepper is graphs._int8_step is not None:
-                self._lone = graphs._int8_step
-            else:
+            self._lone = graphs.checked_int8_step
+            if self._lone is None:
                 logger.warning("decoding every step in bf16: the int8 step graph did not check")
         super().warmup(input_shapes)
 
