@@ -366,6 +366,7 @@ def record(args, server: str, concurrency, result: LoadResult | None, **extra) -
         "server": server,
         "concurrency": concurrency,
         "gpu": gpu_name(),
+        "machine": machine(),  # the host's CPU, which serves HTTP beside the GPU
         "commit": commit(),
         "command": "python -m bench.compare " + " ".join(args.argv),
         "env": settings_env(),
