@@ -4,7 +4,7 @@
 # commit's, in turns on one machine with the same weights (the tree's). The older code is
 # carried as .old: `git archive OLD app batching bench engine models telemetry tests
 # conftest.py pyproject.toml | tar -x -C .old`, the models' default folders left out.
-# Records in $OUT/ab.jsonl; each server's warnings are kept in its step's log.
+# Records in $OUT/ab.jsonl; each server's warnings in its step's log (`step`).
 #   carry: .whl .gb .old (bench/device/bundle.sh); the image model moved out of the tree
 #   command: [CALL_S=S] [BATCH=N] bash bench/device/formula_ab.sh COMMIT OLD
 COMMIT=${1:?usage: bash bench/device/formula_ab.sh COMMIT OLD} OLD=${2:?old commit}
@@ -19,7 +19,6 @@ export ARGS="--data /tmp/b --duration 10 --warmup 2 --client-processes 4 --concu
 served() {  # served NAME DIR LABEL
     TEXEL_COMMIT=$3 step "$1" 75 60 bash -c \
         'cd "$0" && PYTHONPATH=/tmp/site:$PWD exec python3 -m bench.compare $ARGS' "$2"
-    grep -h -E "WARNING" $(ls -t /tmp/texel-test-*.log | head -1) | head -5 >> "$OUT/$1.log"
 }
 i=0
 for turn in 1 2; do

@@ -49,15 +49,15 @@ step() {
     timeout -k 15 "$cap" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     echo "=== $name rc=$rc at $(($(date +%s) - T0))s" >> $L
-    # Each server's model lines (which stream each model's work ran on), its first
-    # errors (a benchmark's 5xx answers say only their status), and its log's tail when
-    # the step failed.
+    # Each server's model lines (which stream each model's work ran on) and warnings (a
+    # fallback such as the model's own encoder), its first errors (a benchmark's 5xx
+    # answers say only their status), and its log's tail when the step failed.
     local server_log
     for server_log in $(find /tmp -maxdepth 1 -name 'texel-test-*.log' \
         -newer /tmp/texel-step-start); do
         {
             echo "--- $server_log"
-            grep -E "ready on|could not load" "$server_log"
+            grep -E "ready on|could not load|WARNING" "$server_log" | head -20
             grep -E -A12 "ERROR|Traceback" "$server_log" | head -80
             ((rc != 0)) && tail -60 "$server_log"
         } >> "$OUT/$name.log"
