@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a one-GPU machine (device tool): served formulas at 256 in flight (batches
 # of at most BATCH, 256 unless set; 12 HTTP processes), the tree's code against an older
-# commit's, in turns on one machine with the same weights (the tree's). The older code is
+# commit's, in turns (tree, old, old, tree) on one machine with the same weights (the tree's). The older code is
 # carried as .old: `git archive OLD app batching bench engine models telemetry tests
 # conftest.py pyproject.toml | tar -x -C .old`, the models' default folders left out.
 # Records in $OUT/ab.jsonl; each server's warnings in its step's log (`step`).
@@ -20,9 +20,10 @@ served() {  # served NAME DIR LABEL
     TEXEL_COMMIT=$3 step "$1" 75 60 bash -c \
         'cd "$0" && PYTHONPATH=/tmp/site:$PWD exec python3 -m bench.compare $ARGS' "$2"
 }
-i=0
-for turn in 1 2; do
-    served $((++i))-tree . "$COMMIT"
-    served $((++i))-old .old "$OLD"
-done
+# Tree, old, old, tree: a drift over the call (the host warming up, as the call of
+# 2026-12-07 showed: each turn faster than the last) weighs on both codes alike.
+served 1-tree . "$COMMIT"
+served 2-old .old "$OLD"
+served 3-old .old "$OLD"
+served 4-tree . "$COMMIT"
 summarize '^\||WARNING|ready on|Error|error'
