@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One call on a one-GPU machine (device tool): served formulas at 256 in flight (batches
 # of at most BATCH, 256 unless set; 12 HTTP processes), the tree's code against an older
-# commit's, in turns (tree, old, old, tree) on one machine with the same weights (the tree's). The older code is
-# carried as .old: `git archive OLD app batching bench engine models telemetry tests
-# conftest.py pyproject.toml | tar -x -C .old`, the models' default folders left out.
+# commit's, in turns (tree, old, old, tree) on one machine with the same weights (the
+# tree's). The older code is carried as .old: `git archive OLD app batching bench engine
+# models telemetry tests conftest.py pyproject.toml | tar -x -C .old`, the models' default
+# folders left out.
 # Records in $OUT/ab.jsonl; each server's warnings in its step's log (`step`).
 #   carry: .whl .gb .old (bench/device/bundle.sh); the image model moved out of the tree
 #   command: [CALL_S=S] [BATCH=N] bash bench/device/formula_ab.sh COMMIT OLD
