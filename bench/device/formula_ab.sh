@@ -26,7 +26,7 @@ export ARGS="--data /tmp/b --duration 10 --warmup 2 --client-processes 4 --concu
     --max-batch-size ${BATCH:-256} --servers texel --model $PWD/models/formula/default
     --out $OUT/ab.jsonl"
 served() {  # served NAME DIR LABEL
-    TEXEL_COMMIT=$3 step "$1" 75 60 bash -c \
+    TEXEL_COMMIT=$3 step "$1" 100 60 bash -c \
         'cd "$0" && PYTHONPATH=/tmp/site:$PWD exec python3 -m bench.compare $ARGS' "$2"
 }
 i=0
