@@ -15,13 +15,16 @@ LINK = re.compile(r"\]\(([^)\s#]*)#([^)\s]+)\)")
 def markdown_files() -> list[Path]:
     """The project's Markdown files: those git does not ignore (not the copies of older
     code a benchmark carries in `.old`), or, outside a checkout, all but SKIP's."""
-    listed = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.md"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    if listed.returncode == 0:
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.md"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+    except FileNotFoundError:  # no git installed
+        listed = None
+    if listed is not None and listed.returncode == 0:
         return sorted(ROOT / line for line in listed.stdout.splitlines() if (ROOT / line).exists())
     return sorted(p for p in ROOT.rglob("*.md") if not SKIP & set(p.relative_to(ROOT).parts[:-1]))
 
