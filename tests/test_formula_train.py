@@ -318,13 +318,17 @@ def test_attention_dropout_acts_only_while_training_and_still_averages(tmp_path)
     VisionEncoderDecoderModel.from_pretrained(tmp_path / "mean")
 
 
-def test_attention_dropout_is_refused_where_the_config_has_no_such_field(tmp_path) -> None:
+def test_attention_dropout_is_refused_without_such_a_field_or_a_saved_model(tmp_path) -> None:
     import pytest
 
-    from training.formula.train import load_for_training
+    from training.formula.train import load_for_training, main
     from training.tiny import build_tiny_formula_model
 
     path = build_tiny_formula_model(tmp_path / "m")  # a Swin encoder
     with pytest.raises(ValueError, match="swin config has no attention_dropout"):
         load_for_training(path, attention_dropout=0.1)
     load_for_training(path)  # the model's own dropout, as saved
+
+    with pytest.raises(SystemExit) as refused:  # a new model is built without it
+        main(["--attention-dropout", "0.1", "--out", str(tmp_path / "new")])
+    assert refused.value.code == 2 and not (tmp_path / "new").exists()

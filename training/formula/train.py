@@ -494,6 +494,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     rendered_fraction = args.rendered_fraction if args.rendered else 0.0
     if args.real_fraction + rendered_fraction > 1:
         parser.error("--real-fraction plus --rendered-fraction is over 1")
+    if args.attention_dropout is not None and not args.init_from:
+        parser.error("--attention-dropout continues a saved model: give --init-from")
 
     random.seed(args.seed)
     np.random.seed(args.seed)
