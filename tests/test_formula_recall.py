@@ -2,17 +2,9 @@
 
 from __future__ import annotations
 
-import shutil
-
-import pytest
-
+from tests.backends import needs_latex
 from training.formula import recall
 from training.formula.data import is_dev
-
-needs_latex = pytest.mark.skipif(
-    shutil.which("latex") is None or shutil.which("dvipng") is None,
-    reason="latex and dvipng are not installed (apt-get install texlive-latex-base dvipng)",
-)
 
 FORMULAS = [r"x + y", r"\frac { a } { b }", r"a ^ { 2 } - b", r"\sqrt { x }", r"x _ { 1 } = 0"]
 

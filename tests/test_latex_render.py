@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from tests.backends import needs_latex
 from training.formula import latex_render, school
 from training.formula.data import FormulaSample, is_dev, quantized_png
 from training.formula.synth import LONG_TOKENS
-
-needs_latex = pytest.mark.skipif(
-    shutil.which("latex") is None or shutil.which("dvipng") is None,
-    reason="latex and dvipng are not installed (apt-get install texlive-latex-base dvipng)",
-)
 
 GOOD = [
     r"E = m c ^ { 2 }",

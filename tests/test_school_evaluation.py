@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import io
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from tests.backends import ensure_backend, unavailable
+from tests.backends import ensure_backend, needs_latex, unavailable
 from training.formula import evaluate, school
 from training.formula.evaluate import SchoolStyle
-
-needs_latex = pytest.mark.skipif(
-    shutil.which("latex") is None or shutil.which("dvipng") is None,
-    reason="latex and dvipng are not installed (apt-get install texlive-latex-base dvipng)",
-)
 
 needs_matplotlib = pytest.mark.skipif(
     not evaluate.have_matplotlib(), reason="matplotlib is not installed (the train extra)"

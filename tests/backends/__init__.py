@@ -22,6 +22,13 @@ HERE = Path(__file__).resolve().parent
 CANNOT_HERE = 3  # the scripts' exit status for "no apt / no room / no python here"
 
 
+# For the tests that draw formulas with a real LaTeX (Debian's TeX Live packages).
+needs_latex = pytest.mark.skipif(
+    shutil.which("latex") is None or shutil.which("dvipng") is None,
+    reason="latex and dvipng are not installed (apt-get install texlive-latex-base dvipng)",
+)
+
+
 def in_ci() -> bool:
     return os.environ.get("CI", "").lower() == "true"
 

@@ -20,21 +20,18 @@ from pathlib import Path
 
 import torch
 
-from training.formula.data import quantized_png, read_formulas, split_samples
+from training.formula.data import BUCKET_STEP, read_formulas, split_samples
 from training.formula.evaluate import Scores, score, served_runner, transcribe
-from training.formula.latex_render import BASE_DPI, FONTS, im2markup_image, render_pages
+from training.formula.latex_render import BASE_DPI, FONTS, IM2MARKUP_PAD, RenderJob, render_job
 
 
 def drawn(formulas: Sequence[str], font: str) -> list[tuple[str, bytes]]:
     """Each formula with its picture as im2markup drew im2latex, in font setup `font`;
     formulas that LaTeX cannot draw are left out."""
-    pages = render_pages(formulas, [BASE_DPI] * len(formulas), font)
-    pictures = [
-        (formula, im2markup_image(page))
-        for formula, page in zip(formulas, pages, strict=True)
-        if page is not None
-    ]
-    return [(formula, quantized_png(image)) for formula, image in pictures if image is not None]
+    n = len(formulas)
+    job = RenderJob(tuple(formulas), (BASE_DPI,) * n, (IM2MARKUP_PAD,) * n, (1,) * n, font)
+    pngs = render_job(job)
+    return [(f, png) for f, png in zip(formulas, pngs, strict=True) if png is not None]
 
 
 def read_drawn(recognizer, runner, pictures: list[tuple[str, bytes]], batch_size: int) -> Scores:
@@ -59,7 +56,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
     train, dev = split_samples(read_formulas(Path(args.data)))
-    recognizer, runner = served_runner(args.model, args.device, args.dtype, args.batch_size, 64)
+    recognizer, runner = served_runner(
+        args.model, args.device, args.dtype, args.batch_size, BUCKET_STEP
+    )
     print(f"| formulas ({args.font}) | drawn | BLEU-4 | edit distance | exact | time |")
     print("|---|---:|---:|---:|---:|---:|")
     for label, samples in (("train split", train), ("dev split", dev)):
