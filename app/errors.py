@@ -125,7 +125,8 @@ def to_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, ClientDisconnect):  # gone while its body was being read
         return ApiError(499, "client_closed_request", "the client disconnected")
     if isinstance(exc, InputError):
-        return ApiError(_INPUT_STATUS.get(type(exc), 400), exc.code, exc.message)
+        status = _INPUT_STATUS.get(type(exc), 400)
+        return ApiError(status, exc.code, exc.message, param=exc.param)
     if isinstance(exc, QueueFull):
         retry = str(max(1, math.ceil(exc.retry_after_s)))
         return ApiError(429, exc.code, exc.message, {"Retry-After": retry})

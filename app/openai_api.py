@@ -69,7 +69,7 @@ def generate_request(body: ImagesGenerationRequest, model: str) -> GenerateReque
             num_inference_steps=body.steps,
             guidance_scale=body.guidance_scale,
             seed=body.seed,
-            num_images=body.n,
+            num_images=1 if body.n is None else body.n,
         )
     except ValidationError as exc:
         raise validation_error([_in_openai_terms(e) for e in exc.errors()]) from None

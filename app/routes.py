@@ -439,7 +439,11 @@ async def openai_images(request: Request) -> Response:
         with trace.stage("http.parse"):
             body = await read_json(request, ImagesGenerationRequest)
             generate = openai_api.generate_request(body, model)
-        images, _ = await _generated(request, runtime, generate, trace)
+        try:
+            images, _ = await _generated(request, runtime, generate, trace)
+        except InputError as exc:  # the field at fault by OpenAI's name (`size`, `n`)
+            exc.param = openai_api.OPENAI_FIELDS.get(exc.param, exc.param)
+            raise
         return JSONResponse(openai_api.images_response(images.pngs, images.seeds).model_dump())
 
     return await _handle(request, "/v1/images/generations", "image", flow)

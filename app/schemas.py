@@ -27,10 +27,10 @@ class ErrorBody(BaseModel):
 class RecognizeJSON(BaseModel):
     """JSON alternative to the multipart upload."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     image_base64: str = Field(
-        min_length=1, description="The image file (PNG, JPEG, WebP, BMP or GIF), base64-encoded."
+        description="The image file (PNG, JPEG, WebP, BMP or GIF), base64-encoded."
     )
 
 
@@ -57,7 +57,9 @@ class RecognizeResponse(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a field of the wrong JSON type (`"64"`, `true` for a number) is refused,
+    # not converted
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="What to draw.")
     negative_prompt: str | None = Field(
@@ -83,7 +85,11 @@ class GenerateRequest(BaseModel):
         None, ge=1, le=MAX_STEPS, description="Denoising steps. Default: the model's."
     )
     guidance_scale: float | None = Field(
-        None, ge=0, le=50, description="Classifier-free guidance. Default: the model's."
+        None,
+        ge=0,
+        le=50,
+        allow_inf_nan=False,
+        description="Classifier-free guidance. Default: the model's.",
     )
     seed: int | None = Field(
         None,
@@ -132,11 +138,11 @@ class ImagesGenerationRequest(BaseModel):
     """OpenAI's `POST /v1/images/generations` body, with Texel's parameters as extensions.
     Bounds are those of /generate."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str = Field(description="What to draw.")
     model: str | None = Field(None, description="The image model's id; default: the served one.")
-    n: int = Field(1, description="Images to generate (1..4).")
+    n: int | None = Field(1, description="Images to generate (1..4); null: 1.")
     size: str | None = Field(
         None, description="`WIDTHxHEIGHT` in pixels, e.g. `512x512`; `auto` or absent: the model's."
     )

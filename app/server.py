@@ -99,7 +99,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self.share = share
         self._leaving = False  # told to close after its response (`ConnectionShare`)
         self._head_timer: asyncio.TimerHandle | None = None
-        self._head_bytes = 0
+        self._head_received = 0  # bytes received since the head began
+        self._head_bytes = 0  # the head's bytes the parser has read
         self._head_fields = 0
         self._refusal: ApiError | None = None
 
@@ -121,22 +122,33 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
+        # A head still arriving: the parser buffers an unfinished header, so its bytes
+        # are counted as they come (a head that arrives whole is counted by the parser's
+        # callbacks below).
         if self._head_timer is not None and not self.transport.is_closing():
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD_BYTES:
+            self._head_received += len(data)
+            if self._head_received > MAX_HEAD_BYTES:
                 self._refuse(headers_too_large(MAX_HEAD_BYTES, MAX_HEADERS))
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._head_bytes = self._head_fields = 0
+        self._head_received = self._head_bytes = self._head_fields = 0
         self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
 
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url), fields=0)
+        super().on_url(url)
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._head_fields += 1
-        if self._head_fields > MAX_HEADERS:
+        self._count_head(len(name) + len(value) + 4, fields=1)  # ": " and CRLF
+        super().on_header(name, value)
+
+    def _count_head(self, size: int, fields: int) -> None:
+        self._head_bytes += size
+        self._head_fields += fields
+        if self._head_bytes > MAX_HEAD_BYTES or self._head_fields > MAX_HEADERS:
             self._refusal = headers_too_large(MAX_HEAD_BYTES, MAX_HEADERS)
             raise _Refused  # httptools reports it as a parser error: send_400_response
-        super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._head_done()
@@ -161,12 +173,21 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             self._head_timer = None
 
     def _refuse(self, error: ApiError) -> None:
-        """Answer `error` and close, unless a response is on its way (a pipelined
-        request's head): then only close."""
+        """Answer `error` and close, unless a response is on its way (to a request
+        before a pipelined one): then only close. A request refused while its body
+        arrives (malformed chunks) is answered here, and the app, still reading it, sees
+        the client gone."""
         self._head_done()
         if self.transport.is_closing():
             return
-        if self.cycle is None or self.cycle.response_complete:
+        cycle = self.cycle
+        in_body = (
+            cycle is not None and cycle.more_body and not cycle.response_started
+        ) and not self.pipeline
+        if in_body:
+            cycle.disconnected = True  # what the app sends from now on is dropped
+            cycle.message_event.set()
+        if cycle is None or cycle.response_complete or in_body:
             body = error_body(error)
             head = [STATUS_LINE[error.status]]
             for name, value in self.server_state.default_headers:

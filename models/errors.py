@@ -12,9 +12,10 @@ class InputError(ValueError):
 
     code = "invalid_input"
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.param = param  # the request field at fault, by /generate's name, where one is
 
 
 class UnsupportedImage(InputError):

@@ -454,6 +454,49 @@ def test_out_of_range_generation_parameters_get_422(server):
         assert error_of(response) == "invalid_parameter"
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"width": "64"},
+        {"width": True},
+        {"seed": "42"},
+        {"seed": True},
+        {"seed": 1.5},
+        {"num_images": "2"},
+        {"guidance_scale": "7.5"},
+        {"prompt": 7},
+    ],
+    ids=repr,
+)
+def test_a_field_of_the_wrong_json_type_gets_422_not_a_conversion(server, params):
+    response = generate(server, **params)
+    assert response.status_code == 422, (params, response.text)
+    assert error_of(response) == "invalid_parameter"
+    assert "valid" in response.json()["error"]["message"]
+
+
+def test_a_guidance_scale_that_is_not_a_finite_number_gets_422_saying_so(server):
+    for raw in ("NaN", "Infinity"):
+        response = httpx.post(
+            server.url + "/generate",
+            content=f'{{"prompt": "a red circle", "guidance_scale": {raw}}}',
+            headers={"content-type": "application/json"},
+        )
+        assert response.status_code == 422, (raw, response.text)
+        assert "finite number" in response.json()["error"]["message"]
+
+
+def test_a_whole_number_for_a_decimal_field_is_taken(server):
+    response = generate(server, guidance_scale=2, num_inference_steps=1, seed=3)
+    assert response.status_code == 200, response.text
+
+
+def test_an_empty_image_base64_gets_400_as_an_empty_body_does(server):
+    response = httpx.post(server.url + "/recognize", json={"image_base64": ""})
+    assert response.status_code == 400, response.text
+    assert error_of(response) == "malformed_request"
+
+
 def test_a_prompt_longer_than_the_text_encoder_reads_gets_422(server):
     response = generate(server, prompt="a red circle " * 20)
     assert response.status_code == 422

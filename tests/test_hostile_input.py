@@ -249,6 +249,24 @@ def test_a_head_over_its_size_limit_gets_431(hostile):
     assert answer.code() == "headers_too_large"
 
 
+@pytest.mark.parametrize(
+    "headers",
+    [{"X-Big": "a" * 70_000}, {"X-Big-1": "a" * 40_000, "X-Big-2": "a" * 40_000}],
+    ids=["one header", "two headers"],
+)
+def test_a_head_just_over_its_size_limit_gets_431_even_when_it_arrives_whole(hostile, headers):
+    request = head("GET", "/livez", headers)
+    assert 64 * 1024 < len(request) < 96 * 1024
+    answer = exchange(hostile, request)
+    assert answer.status == 431
+    assert answer.code() == "headers_too_large"
+
+
+def test_a_head_just_under_its_size_limit_is_served(hostile):
+    answer = exchange(hostile, head("GET", "/livez", {"X-Big": "a" * 60_000}))
+    assert answer.status == 200
+
+
 def test_a_head_with_too_many_headers_gets_431(hostile):
     answer = exchange(hostile, head("GET", "/livez", [(f"X-H{i}", "1") for i in range(500)]))
     assert answer.status == 431
@@ -259,6 +277,26 @@ def test_malformed_http_gets_a_json_400(hostile):
     answer = exchange(hostile, b"GET /livez HTTP/1.1\r\nHost texel\r\n\r\n")
     assert answer.status == 400
     assert answer.code() == "malformed_http"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"ZZZ\r\nabc\r\n0\r\n\r\n", b"5\r\n{}\r\n0\r\n\r\n"],
+    ids=["chunk size not hex", "chunk shorter than its size"],
+)
+def test_a_malformed_chunked_body_gets_a_json_400(hostile, body):
+    request = head(
+        "POST",
+        "/recognize",
+        {**AUTH, "Content-Type": "application/json", "Transfer-Encoding": "chunked"},
+    )
+    with connect(hostile) as sock:
+        sock.sendall(request + body)
+        answer = read_answer(sock)
+        assert answer.status == 400
+        assert answer.code() == "malformed_http"
+        assert answer.headers.get("connection") == "close"
+        assert closed_by_server(sock, within_s=2)
 
 
 # -- connections ----------------------------------------------------------------------

@@ -119,6 +119,28 @@ def test_a_size_out_of_form_names_the_size_as_the_param(client):
     assert raised.value.param == "size"
 
 
+def test_a_size_over_the_servers_largest_names_the_size_as_the_param(client):
+    with pytest.raises(openai.UnprocessableEntityError) as raised:
+        client.images.generate(prompt=PROMPT, size="1024x2048")
+    error = openai_error(raised.value)
+    assert error["param"] == "size" and "height" in error["message"]
+
+
+def test_a_null_n_asks_for_one_image(server):
+    response = httpx.post(
+        server.url + "/v1/images/generations",
+        json={"prompt": PROMPT, "n": None, "seed": 4, "steps": 1},
+    )
+    assert response.status_code == 200, response.text
+    assert len(response.json()["data"]) == 1
+
+
+def test_a_string_for_n_is_refused_not_converted(server):
+    response = httpx.post(server.url + "/v1/images/generations", json={"prompt": PROMPT, "n": "2"})
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["param"] == "n"
+
+
 def test_the_url_response_format_is_refused_400_saying_texel_stores_no_images(client):
     with pytest.raises(openai.BadRequestError) as raised:
         client.images.generate(prompt=PROMPT, response_format="url")

@@ -610,3 +610,18 @@ def test_a_pngs_pixels_are_read_from_its_header_and_nothing_else_claims_any() ->
     assert png_pixels(formula_png(size=(321, 47), fmt="JPEG")) is None
     assert png_pixels(formula_png(size=(321, 47), fmt="WEBP")) is None
     assert png_pixels(b"\x89PNG\r\n\x1a\n" + b"\x00" * 16) is None  # no IHDR first
+
+
+def test_a_picture_too_large_even_for_pillow_to_open_names_the_servers_limit() -> None:
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    ihdr = struct.pack(">IIBBBBB", 100_000, 100_000, 8, 0, 0, 0, 0)  # 10^10 grey pixels
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+    with pytest.raises(ImageTooLarge, match="limit of 16000000"):
+        decode_image(png, max_pixels=16_000_000)

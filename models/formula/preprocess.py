@@ -184,8 +184,8 @@ def decode_image(data: bytes, max_pixels: int) -> Image.Image:
     """
     try:
         image = Image.open(io.BytesIO(data))
-    except Image.DecompressionBombError as exc:
-        raise ImageTooLarge(f"image exceeds the pixel limit: {exc}") from exc
+    except Image.DecompressionBombError as exc:  # more pixels than even Pillow opens
+        raise ImageTooLarge(f"image has more pixels than the limit of {max_pixels}") from exc
     except Exception as exc:  # PIL raises several types for unidentifiable data
         raise UnsupportedImage(
             "the upload is not a supported image (PNG, JPEG, WebP, BMP or GIF)"

@@ -330,11 +330,15 @@ class ImageGenerator(Model):
             if value % self.size_multiple or not self.size_multiple <= value <= self.max_side:
                 raise InvalidParameter(
                     f"{side} must be a multiple of {self.size_multiple} between "
-                    f"{self.size_multiple} and {self.max_side}; got {value}"
+                    f"{self.size_multiple} and {self.max_side}; got {value}",
+                    param=side,
                 )
         steps = request.num_inference_steps or d.steps
         if steps > self.max_steps:
-            raise InvalidParameter(f"num_inference_steps must be at most {self.max_steps}")
+            raise InvalidParameter(
+                f"num_inference_steps must be at most {self.max_steps}",
+                param="num_inference_steps",
+            )
         guidance = d.guidance if request.guidance_scale is None else request.guidance_scale
         seed = secrets.randbelow(2**31) if request.seed is None else request.seed
         seeds = tuple(seed + i for i in range(request.num_images))
@@ -368,7 +372,8 @@ class ImageGenerator(Model):
         limit = getattr(tokenizer, "model_max_length", None)
         if limit and limit < 1_000_000 and len(ids) > limit:
             raise InvalidParameter(
-                f"the prompt is {len(ids)} tokens long; this model reads at most {limit}"
+                f"the prompt is {len(ids)} tokens long; this model reads at most {limit}",
+                param="prompt",
             )
         return dataclasses.replace(job, prompt_tokens=len(ids))
 
