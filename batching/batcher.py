@@ -407,7 +407,9 @@ class Batcher:
             )
         except Exception as exc:  # the executor itself failed (shut down)
             outcomes = [self._failure(exc, len(plan.items)) for _ in plan.items]
-        self._drain_rate.record(self._clock(), len(plan.items))
+        self._drain_rate.record(
+            self._clock(), len(plan.items), min(outcome.started for outcome in outcomes)
+        )
         for item, outcome in zip(plan.items, outcomes, strict=True):
             item.state = State.DONE
             if not item.future.done():
@@ -544,7 +546,8 @@ class Batcher:
                 item.future.set_result(outcome)
         feed.delivered += len(answered)
         feed.delivered_cost += sum(item.cost for item, *_ in answered)
-        self._drain_rate.record(self._clock(), len(answered))
+        started = min((joined.started for _, _, joined, _ in answered), default=self._clock())
+        self._drain_rate.record(self._clock(), len(answered), started)
         self._wake()
 
     def stalled_s(self) -> float:

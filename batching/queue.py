@@ -219,24 +219,35 @@ class BucketQueue:
 
 
 class DrainRate:
-    """Requests completed per second over a sliding window, for `Retry-After`."""
+    """Requests completed per second of work over a sliding window, for `Retry-After`.
+
+    The seconds counted are those in which the model was working (from a batch's start,
+    or the completion before, to its completion), not the idle ones between: a burst
+    that fills the queue after a quiet minute drains at the rate the model works, not
+    at the rate that minute's few requests came.
+    """
 
     def __init__(self, window_s: float = 30.0) -> None:
         self.window_s = window_s
-        self._events: deque[tuple[float, int]] = deque()
+        self._events: deque[tuple[float, int, float]] = deque()  # (when, count, busy_s)
         self._total = 0
+        self._busy_s = 0.0
+        self._last = -math.inf  # the latest completion
 
-    def record(self, now: float, count: int) -> None:
-        self._events.append((now, count))
+    def record(self, now: float, count: int, started: float) -> None:
+        """`count` requests completed at `now`, by work that began at `started`."""
+        busy_s = max(0.0, now - max(started, self._last))
+        self._last = max(self._last, now)
+        self._events.append((now, count, busy_s))
         self._total += count
+        self._busy_s += busy_s
         self._trim(now)
 
     def per_second(self, now: float) -> float | None:
         self._trim(now)
         if not self._events:
             return None
-        span = max(now - self._events[0][0], 1e-3)
-        return self._total / max(span, 1.0)
+        return self._total / max(self._busy_s, 1e-3)
 
     def retry_after(self, now: float, waiting: int, floor_s: float = 1.0) -> float:
         """Seconds until `waiting` requests are likely served, at least `floor_s`."""
@@ -247,5 +258,8 @@ class DrainRate:
 
     def _trim(self, now: float) -> None:
         while self._events and self._events[0][0] < now - self.window_s:
-            _, count = self._events.popleft()
+            _, count, busy_s = self._events.popleft()
             self._total -= count
+            self._busy_s -= busy_s
+        if not self._events:
+            self._busy_s = 0.0  # no float drift once empty

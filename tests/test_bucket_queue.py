@@ -146,8 +146,24 @@ def test_retry_after_follows_the_observed_drain_rate():
     rate = DrainRate(window_s=30)
     assert rate.retry_after(now=0.0, waiting=100) == 1.0  # nothing observed yet
     for t in range(10):
-        rate.record(now=float(t), count=10)  # about 10 requests per second
-    assert rate.retry_after(now=10.0, waiting=100) == pytest.approx(10, abs=2)
+        rate.record(now=t + 1.0, count=10, started=float(t))  # 10 requests per second
+    assert rate.retry_after(now=10.0, waiting=100) == pytest.approx(10, abs=1)
+
+
+def test_retry_after_counts_the_seconds_of_work_not_the_idle_ones_between():
+    rate = DrainRate(window_s=30)
+    rate.record(now=1.0, count=20, started=0.0)  # a batch of 20 in a second
+    rate.record(now=25.0, count=20, started=24.0)  # another after 23 s of quiet
+    assert rate.retry_after(now=25.0, waiting=200) == pytest.approx(10, abs=1)
+    rate.record(now=40.0, count=20, started=39.0)  # the first has left the window
+    assert rate.per_second(now=40.0) == pytest.approx(20)
+
+
+def test_retry_after_counts_overlapping_work_once():
+    rate = DrainRate(window_s=30)
+    rate.record(now=2.0, count=10, started=0.0)  # two workers, side by side
+    rate.record(now=2.5, count=10, started=0.5)
+    assert rate.per_second(now=2.5) == pytest.approx(20 / 2.5)
 
 
 @settings(max_examples=200, deadline=None)
