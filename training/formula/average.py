@@ -26,22 +26,15 @@ WEIGHTS = "model.safetensors"
 SAVE_NOISE = ("transformers_version", "_name_or_path")
 
 
-def _noise(key) -> bool:
-    """A config field that does not change what the weights mean: where and by which
-    release the model was saved, or a dropout rate it was trained with."""
-    return key in SAVE_NOISE or (isinstance(key, str) and "dropout" in key)
-
-
 def _config(model: Path) -> dict:
     """The model's config as transformers reads it (defaults filled in), without what
-    only says where and by which version it was saved or how it was trained: a checkpoint
-    saved by another transformers release, or trained with other dropout, writes its
-    config differently and is still the same model."""
+    only says where and by which version it was saved: a checkpoint saved by another
+    transformers release writes its config differently and is still the same model."""
     from transformers import AutoConfig
 
     def clean(value):
         if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items() if not _noise(k)}
+            return {k: clean(v) for k, v in value.items() if k not in SAVE_NOISE}
         return value
 
     return clean(AutoConfig.from_pretrained(model).to_dict())

@@ -16,9 +16,7 @@ rendered pictures is also shown smaller (`smaller_copies`), as a screenshot take
 lower resolution gives it. With `--merges`, the vocabulary gains merged tokens
 (`learn_merges`: `_ {`, `^ { 2 }`, ...), so the model writes a formula in fewer steps;
 a continued model's new rows start at the mean of their parts' rows. With `--cycles`, the
-schedule restarts and each cycle's end is saved, checkpoints to average. With
-`--attention-dropout`, a continued model drops attention weights while it trains (the
-shipped model fits its real train pictures almost exactly). At the end the
+schedule restarts and each cycle's end is saved, checkpoints to average. At the end the
 dev split is decoded greedily and scored, and the model is saved (fp16 safetensors,
 tokenizer, preprocessor and generation configs).
 """
@@ -121,21 +119,6 @@ def build_model(vocab_size: int, spec: FormulaImageSpec, args: argparse.Namespac
         do_sample=False,
     )
     return model
-
-
-def load_for_training(path: str | Path, attention_dropout: float | None = None):
-    """A saved model in float32 for training on. `attention_dropout` (`--attention-dropout`)
-    sets the dropout on the attention weights of its encoder and decoder (AIMv2 and TrOCR
-    name it so; the shipped model has none); None keeps the saved model's."""
-    from transformers import AutoConfig, VisionEncoderDecoderModel
-
-    config = AutoConfig.from_pretrained(path)
-    if attention_dropout is not None:
-        for part in (config.encoder, config.decoder):
-            if not hasattr(part, "attention_dropout"):
-                raise ValueError(f"a {part.model_type} config has no attention_dropout to set")
-            part.attention_dropout = attention_dropout
-    return VisionEncoderDecoderModel.from_pretrained(path, config=config).float()
 
 
 def save_model(model, tokenizer, spec: FormulaImageSpec, out_dir: Path) -> None:
@@ -478,13 +461,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="with --init-from: deepen its decoder to this many layers (grow_decoder)",
     )
     parser.add_argument(
-        "--attention-dropout",
-        type=float,
-        default=None,
-        help="with --init-from: dropout on the encoder's and decoder's attention weights "
-        "while training (default: the saved model's; the shipped one has none)",
-    )
-    parser.add_argument(
         "--dev-limit", type=int, default=0, help="score only the first N dev images (0 = all)"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -494,8 +470,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     rendered_fraction = args.rendered_fraction if args.rendered else 0.0
     if args.real_fraction + rendered_fraction > 1:
         parser.error("--real-fraction plus --rendered-fraction is over 1")
-    if args.attention_dropout is not None and not args.init_from:
-        parser.error("--attention-dropout continues a saved model: give --init-from")
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -579,7 +553,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"real strips loaded in {time.perf_counter() - started:.0f} s", flush=True)
 
     if args.init_from:
-        model = load_for_training(args.init_from, args.attention_dropout)
+        from transformers import VisionEncoderDecoderModel
+
+        model = VisionEncoderDecoderModel.from_pretrained(args.init_from).float()
         model = grow_decoder(model, args.grow_decoder_to)
         trained_rows = model.config.decoder.vocab_size
         model = resize_vocabulary(model, len(tokenizer))
