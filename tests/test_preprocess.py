@@ -625,3 +625,15 @@ def test_a_picture_too_large_even_for_pillow_to_open_names_the_servers_limit() -
     png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
     with pytest.raises(ImageTooLarge, match="limit of 16000000"):
         decode_image(png, max_pixels=16_000_000)
+
+
+@pytest.mark.parametrize(
+    "start",
+    [b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff\xe0", b"GIF89a", b"RIFF\x00\x00\x00\x00WEBP"],
+    ids=["PNG", "JPEG", "GIF", "WebP"],
+)
+def test_data_that_begins_as_an_accepted_format_but_is_not_one_is_corrupt(start) -> None:
+    with pytest.raises(CorruptImage, match="begins as a"):
+        decode_image(start + b"\x00" * 4096, max_pixels=10**6)
+    with pytest.raises(UnsupportedImage):  # no signature at all
+        decode_image(b"\x00" * 4096, max_pixels=10**6)

@@ -29,6 +29,8 @@ from models.errors import CorruptImage, ImageTooLarge, UnsupportedImage
 ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "WEBP", "BMP", "GIF"})
 EXIF_ORIENTATION = 0x0112
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# How files of the accepted formats begin (BMP's two letters say too little to be sure).
+SIGNATURES = {PNG_SIGNATURE: "PNG", b"\xff\xd8\xff": "JPEG", b"GIF87a": "GIF", b"GIF89a": "GIF"}
 
 # Pixels darker than this count as ink when trimming margins (0 = black, 255 = white).
 INK_THRESHOLD = 200
@@ -175,6 +177,13 @@ def png_pixels(data: bytes) -> int | None:
     return int.from_bytes(data[16:20], "big") * int.from_bytes(data[20:24], "big")
 
 
+def _claimed_format(data: bytes) -> str | None:
+    """The accepted format whose signature the data begins with, if any."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WebP"
+    return next((name for sig, name in SIGNATURES.items() if data.startswith(sig)), None)
+
+
 def decode_image(data: bytes, max_pixels: int) -> Image.Image:
     """Decode uploaded bytes into an RGB-or-gray PIL image, refusing bombs before decoding.
 
@@ -187,6 +196,11 @@ def decode_image(data: bytes, max_pixels: int) -> Image.Image:
     except Image.DecompressionBombError as exc:  # more pixels than even Pillow opens
         raise ImageTooLarge(f"image has more pixels than the limit of {max_pixels}") from exc
     except Exception as exc:  # PIL raises several types for unidentifiable data
+        claimed = _claimed_format(data)
+        if claimed is not None:
+            raise CorruptImage(
+                f"the upload begins as a {claimed} file but cannot be read as one"
+            ) from exc
         raise UnsupportedImage(
             "the upload is not a supported image (PNG, JPEG, WebP, BMP or GIF)"
         ) from exc
