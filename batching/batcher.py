@@ -296,7 +296,7 @@ class Batcher:
         item.future = loop.create_future()
         if on_progress is not None:
             item.progress = lambda steps: loop.call_soon_threadsafe(on_progress, steps, None)
-        retry_after = self._drain_rate.retry_after(now, len(self._queue) + 1)
+        retry_after = self._drain_rate.retry_after(len(self._queue) + 1)
         ahead = len(self._queue)
         try:
             self._queue.push(item, retry_after_s=retry_after)

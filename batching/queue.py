@@ -224,7 +224,9 @@ class DrainRate:
     The seconds counted are those in which the model was working (from a batch's start,
     or the completion before, to its completion), not the idle ones between: a burst
     that fills the queue after a quiet minute drains at the rate the model works, not
-    at the rate that minute's few requests came.
+    at the rate that minute's few requests came. The window ends at the latest
+    completion, not at the present: after a quiet spell longer than the window the rate
+    last seen still stands, rather than no estimate at all.
     """
 
     def __init__(self, window_s: float = 30.0) -> None:
@@ -241,25 +243,22 @@ class DrainRate:
         self._events.append((now, count, busy_s))
         self._total += count
         self._busy_s += busy_s
-        self._trim(now)
+        self._trim()
 
-    def per_second(self, now: float) -> float | None:
-        self._trim(now)
+    def per_second(self) -> float | None:
         if not self._events:
             return None
         return self._total / max(self._busy_s, 1e-3)
 
-    def retry_after(self, now: float, waiting: int, floor_s: float = 1.0) -> float:
+    def retry_after(self, waiting: int, floor_s: float = 1.0) -> float:
         """Seconds until `waiting` requests are likely served, at least `floor_s`."""
-        rate = self.per_second(now)
+        rate = self.per_second()
         if not rate:
             return floor_s
         return max(floor_s, math.ceil(waiting / rate))
 
-    def _trim(self, now: float) -> None:
-        while self._events and self._events[0][0] < now - self.window_s:
+    def _trim(self) -> None:
+        while self._events and self._events[0][0] < self._last - self.window_s:
             _, count, busy_s = self._events.popleft()
             self._total -= count
             self._busy_s -= busy_s
-        if not self._events:
-            self._busy_s = 0.0  # no float drift once empty

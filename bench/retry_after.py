@@ -1,12 +1,12 @@
 """What `Retry-After` promises against when a full formula queue has drained.
 
-    python -m bench.retry_after [--quiet-s 20] [--burst 800]
+    python -m bench.retry_after [--quiet-s 20] [--silent-s 0] [--burst 800]
 
 Serves the formula model alone on the CPU, sends it one request a second for
-`--quiet-s` (a quiet spell), then `--burst` requests at once, more than its queue
-holds. Prints how many were answered 200 and 429, when the last 200 came (the queue
-drained), and the `Retry-After` the 429s carried. A client that waits as told should
-find the queue drained, not wait minutes after it did.
+`--quiet-s` (a quiet spell), none at all for `--silent-s`, then `--burst` requests at
+once, more than its queue holds. Prints how many were answered 200 and 429, when the
+last 200 came (the queue drained), and the `Retry-After` the 429s carried. A client
+that waits as told should find the queue drained, not wait minutes after it did.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from bench.server import ServerProcess
 from tests.conftest import formula_png
 
 
-async def burst(url: str, quiet_s: float, count: int) -> tuple[list[float], list[int], int]:
+async def burst(
+    url: str, quiet_s: float, silent_s: float, count: int
+) -> tuple[list[float], list[int], int]:
     rng = random.Random(0)
     pictures = [
         formula_png(text=f"x^{k} + {rng.randrange(1000)}", size=(rng.randrange(150, 400), 48))
@@ -44,6 +46,7 @@ async def burst(url: str, quiet_s: float, count: int) -> tuple[list[float], list
             await recognize(client, pictures[sent])
             sent += 1
             await asyncio.sleep(1.0)
+        await asyncio.sleep(silent_s)
         started = time.monotonic()
         answers = await asyncio.gather(
             *(recognize(client, png) for png in pictures[sent : sent + count])
@@ -56,19 +59,26 @@ async def burst(url: str, quiet_s: float, count: int) -> tuple[list[float], list
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quiet-s", type=float, default=20.0)
+    parser.add_argument("--silent-s", type=float, default=0.0)
     parser.add_argument("--burst", type=int, default=800)
     args = parser.parse_args()
     server = ServerProcess({"TEXEL_DEVICE": "cpu", "TEXEL_IMAGE__ENABLED": "false"})
     try:
-        served, retry, other = asyncio.run(burst(server.url, args.quiet_s, args.burst))
+        served, retry, other = asyncio.run(
+            burst(server.url, args.quiet_s, args.silent_s, args.burst)
+        )
     finally:
         server.stop()
-    print(f"{machine()}, commit {commit()}; {args.quiet_s:g} s quiet, then {args.burst} at once")
-    print("| answered 200 | 429 | other | last 200 after | Retry-After min / median / max |")
-    print("|---:|---:|---:|---:|---|")
+    print(
+        f"{machine()}, commit {commit()}; {args.quiet_s:g} s quiet, {args.silent_s:g} s silent, "
+        f"then {args.burst} at once"
+    )
+    print("| answered 200 | 429 | other | last 200 after | Retry-After min / median / max | 1 s |")
+    print("|---:|---:|---:|---:|---|---:|")
     spread = f"{min(retry)} / {statistics.median(retry):g} / {max(retry)} s" if retry else "no 429"
     drained = f"{max(served):.1f} s" if served else "-"
-    print(f"| {len(served)} | {len(retry)} | {other} | {drained} | {spread} |")
+    ones = sum(after <= 1 for after in retry)
+    print(f"| {len(served)} | {len(retry)} | {other} | {drained} | {spread} | {ones} |")
 
 
 if __name__ == "__main__":

@@ -144,26 +144,36 @@ def test_queued_cost_tracks_waiting_work():
 
 def test_retry_after_follows_the_observed_drain_rate():
     rate = DrainRate(window_s=30)
-    assert rate.retry_after(now=0.0, waiting=100) == 1.0  # nothing observed yet
+    assert rate.retry_after(waiting=100) == 1.0  # nothing observed yet
     for t in range(10):
         rate.record(now=t + 1.0, count=10, started=float(t))  # 10 requests per second
-    assert rate.retry_after(now=10.0, waiting=100) == pytest.approx(10, abs=1)
+    assert rate.retry_after(waiting=100) == pytest.approx(10, abs=1)
 
 
 def test_retry_after_counts_the_seconds_of_work_not_the_idle_ones_between():
     rate = DrainRate(window_s=30)
     rate.record(now=1.0, count=20, started=0.0)  # a batch of 20 in a second
     rate.record(now=25.0, count=20, started=24.0)  # another after 23 s of quiet
-    assert rate.retry_after(now=25.0, waiting=200) == pytest.approx(10, abs=1)
+    assert rate.retry_after(waiting=200) == pytest.approx(10, abs=1)
     rate.record(now=40.0, count=20, started=39.0)  # the first has left the window
-    assert rate.per_second(now=40.0) == pytest.approx(20)
+    assert rate.per_second() == pytest.approx(20)
+
+
+def test_retry_after_keeps_the_last_rate_through_a_quiet_spell_longer_than_the_window():
+    rate = DrainRate(window_s=30)
+    rate.record(now=1.0, count=50, started=0.0)  # 50 requests per second of work
+    rate.record(now=2.0, count=10, started=1.0)  # then 10: 30 a second over the window
+    # Ten minutes later nothing has completed since; the model's rate is still 30/s.
+    assert rate.retry_after(waiting=300) == pytest.approx(10, abs=1)
+    rate.record(now=700.0, count=5, started=699.0)  # the next completion starts a window
+    assert rate.per_second() == pytest.approx(5)
 
 
 def test_retry_after_counts_overlapping_work_once():
     rate = DrainRate(window_s=30)
     rate.record(now=2.0, count=10, started=0.0)  # two workers, side by side
     rate.record(now=2.5, count=10, started=0.5)
-    assert rate.per_second(now=2.5) == pytest.approx(20 / 2.5)
+    assert rate.per_second() == pytest.approx(20 / 2.5)
 
 
 @settings(max_examples=200, deadline=None)
