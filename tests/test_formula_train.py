@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from training.formula.train import grow_decoder, widen_decoder_ffn
+from training.formula.train import grow_decoder
 
 
 def test_a_grown_decoder_keeps_the_weights_and_dtype_and_trains(tmp_path) -> None:
@@ -39,40 +39,6 @@ def test_a_grown_decoder_keeps_the_weights_and_dtype_and_trains(tmp_path) -> Non
         assert torch.isfinite(loss)
     assert top.fc2.weight.any(), "the new layer did not learn"
     assert grow_decoder(grown, layers) is grown  # never shrinks
-
-
-def test_a_widened_decoder_computes_what_it_did_and_trains(tmp_path) -> None:
-    from transformers import VisionEncoderDecoderModel
-
-    from training.tiny import build_tiny_formula_model
-
-    model = VisionEncoderDecoderModel.from_pretrained(build_tiny_formula_model(tmp_path / "m"))
-    model.eval()
-    width = model.config.decoder.decoder_ffn_dim
-    torch.manual_seed(0)
-    pixels = torch.randn(2, model.config.encoder.num_channels, 32, 64)
-    labels = torch.randint(4, model.config.decoder.vocab_size, (2, 6))
-    with torch.no_grad():
-        before = model(pixel_values=pixels, labels=labels).logits
-
-    wide = widen_decoder_ffn(model, 2 * width).eval()
-
-    assert wide.config.decoder.decoder_ffn_dim == 2 * width
-    fc2 = wide.decoder.model.decoder.layers[0].fc2
-    assert fc2.weight.shape[1] == 2 * width and not fc2.weight[:, width:].any()
-    with torch.no_grad():
-        after = wide(pixel_values=pixels, labels=labels).logits
-    torch.testing.assert_close(after, before)
-
-    wide.train()
-    optimizer = torch.optim.AdamW(wide.parameters(), lr=3e-4)
-    for _ in range(3):
-        loss = wide(pixel_values=pixels, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    assert fc2.weight[:, width:].any(), "the new units did not learn"
-    assert widen_decoder_ffn(wide, width) is wide  # never narrows
 
 
 def test_a_vocabulary_extended_for_school_maths_keeps_every_saved_id() -> None:

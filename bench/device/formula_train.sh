@@ -7,8 +7,7 @@
 #   EXTRA: more train.py options, e.g. --grow-decoder-to 6 (with --cycles N, the mean of
 #   every cycle's end comes back too, as fm-mean beside fm in the same tar)
 #   INIT: the model continued (the shipped one); TAG: the names under $OUT (fm: fm.tar.*,
-#   train.log, formula.jsonl; any other: TAG.tar.*, TAG.log, TAG.jsonl); KEEP: which of
-#   fm and fm-mean come back (both by default; one, where two would pass 64 MiB)
+#   train.log, formula.jsonl; any other: TAG.tar.*, TAG.log, TAG.jsonl)
 GPU=$1 MINUTES=$2 LR=${3:-3e-4} REAL=${4:-0.3} SEED=${5:-8}
 shift $(( $# < 5 ? $# : 5 ))
 T0=$(date +%s)
@@ -31,5 +30,5 @@ JSONL=$OUT/$([ "$TAG" = fm ] && echo formula || echo "$TAG").jsonl
     cycles=$(ls -d /tmp/fm-cycle* 2>/dev/null)
     rm -rf /tmp/fm-mean
     [ -z "$cycles" ] || python3 -m training.formula.average --out /tmp/fm-mean $cycles /tmp/fm
-    tar cf - -C /tmp ${KEEP:-fm $([ -z "$cycles" ] || echo fm-mean)} | split -b 15m - "$OUT/$TAG.tar."
+    tar cf - -C /tmp fm $([ -z "$cycles" ] || echo fm-mean) | split -b 15m - "$OUT/$TAG.tar."
 ) > "$LOG" 2>&1

@@ -346,35 +346,6 @@ def grow_decoder(model, layers: int):
     return grown
 
 
-def widen_decoder_ffn(model, width: int):
-    """`model` with every decoder layer's feed-forward block widened to `width` units: the
-    new units' input weights are drawn like a fresh layer's and their output weights are
-    zero, so the model computes what it did and training decides what they add."""
-    import copy
-
-    from transformers import VisionEncoderDecoderModel
-
-    old_width = model.config.decoder.decoder_ffn_dim
-    if width <= old_width:
-        return model
-    config = copy.deepcopy(model.config)
-    config.decoder.decoder_ffn_dim = width
-    dtype = next(model.parameters()).dtype
-    wide = VisionEncoderDecoderModel(config=config).to(dtype)  # fresh draws for new units
-    state = wide.state_dict()
-    for name, tensor in model.state_dict().items():
-        if state[name].shape != tensor.shape:  # fc1 (width, d) and its bias, fc2 (d, width)
-            grown = torch.zeros_like(state[name]) if ".fc2." in name else state[name].clone()
-            if name.endswith("fc1.bias"):
-                grown.zero_()
-            grown[tuple(slice(0, n) for n in tensor.shape)] = tensor
-            tensor = grown
-        state[name] = tensor
-    wide.load_state_dict(state)
-    wide.generation_config = model.generation_config
-    return wide
-
-
 def gpu_pixels(
     images: torch.Tensor, spec: FormulaImageSpec, generator: torch.Generator, augment: bool
 ) -> torch.Tensor:
@@ -490,13 +461,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="with --init-from: deepen its decoder to this many layers (grow_decoder)",
     )
     parser.add_argument(
-        "--widen-decoder-ffn-to",
-        type=int,
-        default=0,
-        help="with --init-from: widen its decoder's feed-forward blocks to this many units "
-        "(widen_decoder_ffn)",
-    )
-    parser.add_argument(
         "--dev-limit", type=int, default=0, help="score only the first N dev images (0 = all)"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -593,7 +557,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         model = VisionEncoderDecoderModel.from_pretrained(args.init_from).float()
         model = grow_decoder(model, args.grow_decoder_to)
-        model = widen_decoder_ffn(model, args.widen_decoder_ffn_to)
         trained_rows = model.config.decoder.vocab_size
         model = resize_vocabulary(model, len(tokenizer))
         model = init_merged_rows(model, vocabulary, trained_rows).to(device)
