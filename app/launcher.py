@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -39,6 +40,12 @@ from telemetry.resources import usable_cores
 log = logging.getLogger("texel")
 
 SUPERVISE_S = 0.5
+# On SIGTERM an HTTP process takes the grace, the drain and then at most
+# `app.server.AFTER_DRAIN_S` to write its last answers; it is killed HTTP_STOP_S past the
+# grace and the drain. An engine is stopped after every HTTP process, when no request is
+# left waiting for it: what it still runs is nobody's, and it is killed ENGINE_STOP_S on.
+HTTP_STOP_S = 5.0
+ENGINE_STOP_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -208,19 +215,17 @@ class Launcher:
         self.plan = plan
         self.host = host
         self.port = port
-        self._stop = False
+        self._stop = threading.Event()  # a signal came: drain and stop
 
     def run(self) -> None:
+        holder, claim = self._claim_port()
+        address = holder.getsockname()[:2]
         directory = tempfile.mkdtemp(prefix="texel-")  # mode 0700: the sockets live here
         metrics_dir = os.path.join(directory, "metrics")
         os.mkdir(metrics_dir)
         # Inherited by every child; read by prometheus_client when it is imported there.
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         os.environ["TEXEL_LAUNCHER_PID"] = str(os.getpid())  # where `texel diagnose` looks
-        # Holds the port (bound, never listening, so it takes no connections) and says
-        # at once when it is taken.
-        holder = reuseport_socket(self.host, self.port)
-        address = holder.getsockname()[:2]
         engines = [(str(d), os.path.join(directory, f"engine-{i}.sock"))
                    for i, d in enumerate(self.plan.devices)]  # fmt: skip
         plans = model_plans(self.settings, self.plan.devices)
@@ -254,11 +259,10 @@ class Launcher:
         try:
             for child in [*children, *http]:
                 child.start()
-            while not self._stop:
-                time.sleep(SUPERVISE_S)
+            while not self._stop.wait(SUPERVISE_S):
                 now = time.monotonic()
                 for child in [*children, *http]:
-                    if not self._stop:
+                    if not self._stop.is_set():
                         child.check(now)
             self._shutdown(http, children)
         finally:
@@ -266,19 +270,44 @@ class Launcher:
                 if child.process is not None and child.process.is_alive():
                     child.process.kill()
             holder.close()
+            claim.close()
             shutil.rmtree(directory, ignore_errors=True)
 
+    def _claim_port(self) -> tuple[socket.socket, socket.socket]:
+        """The port, held (bound, never listening, so it takes no connections) while
+        this server runs, and a claim on it that a second Texel cannot make: with
+        SO_REUSEPORT it could bind the port beside this one and take half its
+        connections. The claim is an abstract Unix socket named after the address,
+        which the kernel drops with the process. A port taken exits with one line."""
+        holder = claim = None
+        try:
+            holder = reuseport_socket(self.host, self.port)
+            host, port = holder.getsockname()[:2]
+            claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            claim.bind(f"\0texel-{host}:{port}")
+            return holder, claim
+        except OSError as exc:
+            for sock in (holder, claim):
+                if sock is not None:
+                    sock.close()
+            reason = "already served by another Texel" if holder is not None else exc.strerror
+            log.error("cannot serve on %s:%d: %s", self.host, self.port, reason)
+            raise SystemExit(1) from None
+
     def _on_signal(self, signum: int, frame) -> None:
-        if self._stop:  # a second signal: stop at once
+        if self._stop.is_set():  # a second signal: stop at once
             raise SystemExit(1)
         log.info("received %s: draining", signal.Signals(signum).name)
-        self._stop = True
+        self._stop.set()
 
     def _shutdown(self, http: list[_Child], engines: list[_Child]) -> None:
         """HTTP processes first (their requests finish on the running engines), then the
-        engines (which finish whatever is still queued)."""
-        limit = self.settings.shutdown_grace_s + self.settings.drain_timeout_s + 5
-        for group in (http, engines):
+        engines."""
+        s = self.settings
+        for group, limit in (
+            (http, s.shutdown_grace_s + s.drain_timeout_s + HTTP_STOP_S),
+            (engines, ENGINE_STOP_S),
+        ):
             alive = [c.process for c in group if c.process is not None and c.process.is_alive()]
             for process in alive:
                 process.terminate()
@@ -296,3 +325,9 @@ def _mark_dead(pid: int | None) -> None:
 
     if pid is not None and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         multiprocess.mark_process_dead(pid)
+
+
+def shutdown_limit_s(settings: Settings) -> float:
+    """The longest a server takes to stop after SIGTERM: what an orchestrator's grace
+    period (Kubernetes' `terminationGracePeriodSeconds`) must exceed."""
+    return settings.shutdown_grace_s + settings.drain_timeout_s + HTTP_STOP_S + ENGINE_STOP_S

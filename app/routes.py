@@ -44,6 +44,7 @@ from app.schemas import (
 )
 from app.serving import Runtime
 from app.settings import Settings
+from engine import Cancelled, DeadlineExceeded, Draining, QueueFull
 from models.errors import InputError
 from telemetry import RequestTrace, metrics
 
@@ -184,17 +185,40 @@ async def _handle(request: Request, route: str, key: str, flow) -> Response:
             return response
         except Exception as exc:
             error = to_api_error(exc)
-            label = runtime.model_label(key)
-            if isinstance(exc, InputError | ApiError) and error.status < 500:
-                metrics.REJECTED.labels(label, "invalid").inc()
-            elif error.status == 503 and error.code in ("not_ready", "model_failed"):
-                metrics.REJECTED.labels(label, "not_ready").inc()
-            elif error.status == 500:
-                metrics.REJECTED.labels(label, "failed").inc()
-                if error.code == "internal_error":
-                    log.error("%s failed", route, exc_info=exc)
+            reason = _rejection(exc, error)
+            if reason is not None:
+                metrics.REJECTED.labels(runtime.model_label(key), reason).inc()
+            if error.code == "internal_error":
+                log.error("%s failed", route, exc_info=exc)
             observed.finish(error.status, trace.trace_id if trace else None)
             return error_response(error, request.url.path)
+
+
+# The reasons of `texel_requests_rejected_total` given where a request is answered, by
+# the error's code; refusals of a batcher (a full queue, a deadline, a cancelled or
+# draining request) are counted by the batcher itself.
+_REFUSALS = {
+    "client_closed_request": "cancelled",  # gone before it reached a batcher
+    "draining": "draining",
+    "not_ready": "not_ready",
+    "model_failed": "not_ready",
+    "unavailable": "unavailable",
+    "engine_unavailable": "unavailable",
+    "stalled": "unavailable",
+}
+
+
+def _rejection(exc: Exception, error: ApiError) -> str | None:
+    """The reason to count a request's error under, or None if it is already counted."""
+    if isinstance(exc, QueueFull | DeadlineExceeded | Cancelled | Draining):
+        return None
+    if error.status >= 500 and error.status not in (503, 504):
+        return "failed"
+    if error.code in _REFUSALS:
+        return _REFUSALS[error.code]
+    if isinstance(exc, InputError | ApiError) and error.status < 500:
+        return "invalid"
+    return None
 
 
 def _generate_response(

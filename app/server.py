@@ -5,6 +5,7 @@ graceful drain on SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import signal
@@ -21,6 +22,8 @@ log = logging.getLogger("texel")
 # tokens, small enough that no client can make a process buffer much.
 MAX_HEAD_BYTES = 64 * 1024
 MAX_HEADERS = 100
+# How long uvicorn waits for its connections once the drain is over (`TexelServer`).
+AFTER_DRAIN_S = 3
 
 
 def uvicorn_config(
@@ -33,7 +36,9 @@ def uvicorn_config(
         ),
         log_config=None,
         timeout_keep_alive=settings.advanced.keep_alive_s,
-        timeout_graceful_shutdown=int(settings.drain_timeout_s) + 5,
+        # After the drain every request is answered or cut off (`Runtime.cut_off`): what
+        # is left is writing those answers.
+        timeout_graceful_shutdown=AFTER_DRAIN_S,
         # uvicorn answers 503 once this many connections are open, so one more than the
         # connections a process holds
         limit_concurrency=settings.advanced.max_connections + 1,
@@ -203,8 +208,9 @@ class TexelServer(uvicorn.Server):
     """uvicorn, with a graceful drain on SIGTERM/SIGINT.
 
     The first signal marks the process not ready (load balancers stop sending),
-    waits `shutdown_grace_s`, lets its requests finish, then stops. A second signal
-    stops at once.
+    waits `shutdown_grace_s`, lets its requests finish for up to `drain_timeout_s`,
+    answers those still running 503, then stops. A second signal answers them 503 at
+    once and stops.
     """
 
     def __init__(self, config: uvicorn.Config, runtime) -> None:
@@ -214,6 +220,8 @@ class TexelServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame) -> None:
         if self._draining is not None or self.should_exit:
+            with contextlib.suppress(RuntimeError):  # no loop: nothing is in flight
+                asyncio.get_running_loop().call_soon_threadsafe(self.runtime.cut_off)
             return super().handle_exit(sig, frame)
         log.info("received %s: draining", signal.Signals(sig).name)
         self.runtime.draining = True

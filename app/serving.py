@@ -22,7 +22,14 @@ from opentelemetry.trace import Link
 
 from app.errors import ApiError, not_ready
 from app.settings import Settings
-from engine import BatchResult, DeadlineExceeded, EngineClient, EngineUnavailable, ModelState
+from engine import (
+    BatchResult,
+    DeadlineExceeded,
+    Draining,
+    EngineClient,
+    EngineUnavailable,
+    ModelState,
+)
 from models.base import Model
 from telemetry import RequestTrace, metrics
 from telemetry.bottleneck import BottleneckSampler, watch_event_loop, watch_garbage_collector
@@ -50,7 +57,8 @@ class Runtime:
     _attached: set[str] = field(default_factory=set)
     _opening: dict[str, str] = field(default_factory=dict)  # models that failed to open
     _load: dict[str, float] = field(default_factory=dict)
-    _inflight: int = 0
+    _inflight: set[asyncio.Future] = field(default_factory=set)  # requests in the engines
+    _cut_off: bool = False  # the drain's time is up: what is still in flight gets 503
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     # -- lifecycle -------------------------------------------------------------
@@ -118,12 +126,23 @@ class Runtime:
 
     async def drain(self) -> None:
         """Stop taking requests and finish every one in flight (and, with an engine in
-        this process, every queued one)."""
+        this process, every queued one) within `DRAIN_TIMEOUT_S`; past it, the requests
+        still in flight are answered 503 `draining` (`cut_off`)."""
         self.draining = True
         deadline = time.monotonic() + self.settings.drain_timeout_s
         await asyncio.gather(*(e.drain(self.settings.drain_timeout_s) for e in self.engines))
         while self._inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        self.cut_off()
+
+    def cut_off(self) -> None:
+        """Stop waiting for the requests still in the engines: each is cancelled there
+        and answered 503 `draining`, so that none is left to be dropped with its
+        connection when the process exits."""
+        self.draining = True
+        self._cut_off = True
+        for submitted in list(self._inflight):
+            submitted.cancel()
 
     async def close(self) -> None:
         self.draining = True
@@ -238,16 +257,25 @@ class Runtime:
         engine = self._pick(key)
         remaining = self.settings.request_timeout_s - (time.monotonic() - arrived)
         if remaining <= 0:
+            metrics.REJECTED.labels(model.name, "deadline").inc()  # no batcher saw it
             raise DeadlineExceeded("the request's deadline passed before it was queued")
         cost = model.cost(value)
         submitted_ns = time.time_ns()
         self._load[engine.name] += cost
-        self._inflight += 1
+        submitted = asyncio.ensure_future(
+            engine.submit(model, value, remaining, trace.span_context, on_progress)
+        )
+        self._inflight.add(submitted)
         try:
-            result = await engine.submit(model, value, remaining, trace.span_context, on_progress)
+            result = await submitted
+        except asyncio.CancelledError:
+            # Cancelled by `cut_off`, not with this request's own task (a client gone).
+            if self._cut_off and not asyncio.current_task().cancelling():
+                raise Draining("the server shut down before this request finished") from None
+            raise
         finally:
             self._load[engine.name] -= cost
-            self._inflight -= 1
+            self._inflight.discard(submitted)
         self._record(trace, model, value, result, submitted_ns)
         stages = model.response_stages()
         output = await self._stages(model, stages, result.value, trace, model.quick_response)

@@ -116,6 +116,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         try:
             model = plan.build()
+            metrics.MODEL_READY.labels(model.name).set(0)  # loading; stays 0 if it fails
             lane = sharing.lane(
                 self.sharing,
                 self.device,

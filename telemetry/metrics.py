@@ -91,7 +91,7 @@ PADDING_EFFICIENCY = Histogram(
 REJECTED = Counter(
     "texel_requests_rejected",
     "Requests refused or abandoned, by reason (queue_full, deadline, cancelled, "
-    "invalid, draining, not_ready, failed).",
+    "invalid, draining, not_ready, unavailable, failed).",
     ["model", "reason"],
     registry=REGISTRY,
 )
@@ -205,7 +205,8 @@ DEVICE_SECONDS = Counter(
 )
 MODEL_READY = Gauge(
     "texel_model_ready",
-    "1 once a model is loaded and warmed up (in at least one engine).",
+    "1 once a model is loaded and warmed up (in at least one engine), 0 while it loads "
+    "and after it failed to.",
     ["model"],
     registry=REGISTRY,
     multiprocess_mode="livemax",

@@ -21,6 +21,7 @@ import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.launcher import shutdown_limit_s
 from tests.backends import ensure_backend
 from tests.conftest import ROOT, formula_png
 
@@ -98,8 +99,8 @@ def test_compose_runs_texel_prometheus_jaeger_and_grafana():
 
 
 def test_the_deployments_set_only_settings_texel_reads():
-    """Texel ignores a TEXEL_* variable it does not know: a renamed or removed setting
-    left in a manifest would silently do nothing."""
+    """Texel refuses to start on a TEXEL_* variable it does not know: a renamed or
+    removed setting left in a manifest would keep every pod from starting."""
     from app import config_doc
 
     reference = config_doc.render()
@@ -423,9 +424,7 @@ def test_the_termination_grace_period_covers_the_shutdown_grace_and_the_drain(mo
     """Past the period the kubelet kills the pod, and requests still draining fail."""
     settings = manifest_settings(monkeypatch)
     pod = the("Deployment", kustomize(KUBERNETES))["spec"]["template"]["spec"]
-    assert pod["terminationGracePeriodSeconds"] > (
-        settings.shutdown_grace_s + settings.drain_timeout_s
-    )
+    assert pod["terminationGracePeriodSeconds"] > shutdown_limit_s(settings)
     assert settings.shutdown_grace_s > 0  # time for the Service to drop a draining pod
 
 

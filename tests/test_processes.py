@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import http.client
+import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +32,7 @@ import pytest
 from app.server import ConnectionShare
 from app.serving import FOLLOW_S
 from tests.conftest import formula_png, wait_for
-from tests.server import ServerProcess
+from tests.server import ROOT, ServerProcess
 
 HTTP_PROCESSES = 2
 
@@ -165,7 +168,8 @@ def start_restartable(tiny_env: dict[str, str]) -> Restartable:
 @pytest.fixture(scope="module")
 def starting(tiny_env, tmp_path_factory):
     """Both servers, started side by side (a start-up keeps about one core busy)."""
-    missing = tmp_path_factory.mktemp("models") / "missing"
+    missing = tmp_path_factory.mktemp("models") / "empty"  # a folder with no model in it
+    missing.mkdir()
     pool = concurrent.futures.ThreadPoolExecutor(2)
     futures = {
         "shared": pool.submit(
@@ -230,6 +234,24 @@ def test_both_http_processes_take_connections_on_the_one_port(shared):
     finally:
         for sock in sockets:
             sock.close()
+
+
+def test_a_second_server_on_the_port_is_refused_not_handed_half_its_connections(shared, tiny_env):
+    # SO_REUSEPORT would let it bind beside the first and take its share of connections.
+    command = [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1"]
+    second = subprocess.run(
+        [*command, "--port", str(shared.port)],
+        env={**os.environ, **tiny_env, "TEXEL_HTTP_PROCESSES": str(HTTP_PROCESSES)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert second.returncode == 1, second.stderr
+    refusal = f"cannot serve on 127.0.0.1:{shared.port}: already served by another Texel"
+    assert refusal in second.stderr
+    assert "Traceback" not in second.stderr
+    assert httpx.get(shared.url + "/livez").status_code == 200  # the first one is untouched
 
 
 def test_connection_share_lets_go_of_what_is_over_an_eighth_above_the_even_split():

@@ -17,6 +17,8 @@ import time
 import httpx
 import pytest
 
+from app.launcher import shutdown_limit_s
+from app.settings import Settings
 from tests.conftest import formula_png, wait_for
 from tests.server import ServerProcess
 
@@ -26,8 +28,9 @@ SLOW = {"prompt": "a slow one", "num_inference_steps": 40, "seed": 1}
 @pytest.fixture(scope="module")
 def deadlines(tiny_env, tmp_path_factory):
     """Requests have 2 s; one image at a time, of up to 1,000 steps. The formula model's
-    files are missing: it fails to load, and the server is never ready."""
-    missing = tmp_path_factory.mktemp("models") / "missing"
+    folder is empty: it fails to load, and the server is never ready."""
+    missing = tmp_path_factory.mktemp("models") / "empty"
+    missing.mkdir()
     server = ServerProcess(
         {
             **tiny_env,
@@ -157,6 +160,8 @@ def test_a_client_that_disconnects_frees_its_queue_slot(start_server):
     with server.client() as client:
         assert client.post("/generate", json={**SLOW, "num_inference_steps": 2}).status_code == 200
     running.join()
+    # Counted once, as cancelled: a client that gives up sent nothing invalid.
+    assert server.metric("texel_requests_rejected_total", reason="invalid") == 0
 
 
 def test_readyz_is_503_and_inference_503_when_a_model_cannot_load(deadlines):
@@ -170,6 +175,10 @@ def test_readyz_is_503_and_inference_503_when_a_model_cannot_load(deadlines):
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "model_failed"
     assert httpx.get(server.url + "/livez").status_code == 200
+    # An alert on `texel_model_ready == 0` fires for it; the image model beside it is up.
+    text = httpx.get(server.url + "/metrics").text
+    ready = dict(re.findall(r'^texel_model_ready\{model="([^"]+)"\} (\S+)$', text, re.M))
+    assert sorted(ready.values()) == ["0.0", "1.0"], ready
 
 
 # A server of its own: it stops it, and the default queue takes all three requests
@@ -190,10 +199,39 @@ def test_sigterm_drops_readiness_and_lets_in_flight_requests_finish(start_server
         assert ready.status_code == 503 and ready.json()["draining"] is True
         late = httpx.post(server.url + "/generate", json=SLOW)
         assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
+        assert server.metric("texel_requests_rejected_total", reason="draining") == 1
         assert [f.result().status_code for f in futures] == [200, 200, 200]
     # uvicorn re-raises the signal once shut down cleanly, as a process killed by it would.
     assert server.process.wait(60) in (0, -signal.SIGTERM)
     assert "draining" in server.log()
+
+
+def test_requests_still_running_when_the_drain_times_out_are_answered_503(start_server):
+    server = start_server(
+        TEXEL_DRAIN_TIMEOUT_S="1",
+        TEXEL_REQUEST_TIMEOUT_S="600",  # a busy machine's estimate refuses none (422)
+        TEXEL_IMAGE__MAX_STEPS="1000",
+        TEXEL_IMAGE__MAX_BATCH_SIZE="1",
+    )
+    settings = Settings(shutdown_grace_s=0, drain_timeout_s=1)
+    long = {"prompt": "a long one", "num_inference_steps": 1000}  # seconds, not one
+
+    def post(i):
+        with server.client() as client:
+            return client.post("/generate", json={**long, "seed": i})
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(post, i) for i in range(2)]  # one running, one queued
+        wait_for(lambda: server.metric("texel_inflight_requests", route="/generate") >= 2)
+        server.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        responses = [f.result() for f in futures]
+    # Each gets Texel's JSON 503, not a dropped connection or uvicorn's plain-text 500.
+    assert [r.status_code for r in responses] == [503, 503]
+    assert {r.json()["error"]["code"] for r in responses} == {"draining"}
+    assert server.process.wait(shutdown_limit_s(settings)) in (0, -signal.SIGTERM)
+    assert time.monotonic() - signalled < shutdown_limit_s(settings)
+    assert "Traceback" not in server.log()
 
 
 def test_api_keys_guard_inference_but_not_health_or_metrics(guarded):
