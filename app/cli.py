@@ -7,6 +7,7 @@ import logging
 import sys
 
 from app.launcher import serve
+from app.settings import InvalidSettings, Settings, read_settings
 
 
 def quiet_third_party() -> None:
@@ -21,6 +22,32 @@ def quiet_third_party() -> None:
 
 
 quiet_third_party()
+
+
+def settings_or_exit(serving: bool) -> Settings:
+    """The settings from the environment; on any problem with them, a line per problem
+    and exit status 2, as a usage error, with no traceback. `serving`: also refuse what
+    `texel serve` cannot start with (`Settings.serving_problems`)."""
+    try:
+        settings = read_settings()
+        problems = settings.serving_problems() if serving else []
+    except InvalidSettings as exc:
+        problems = exc.problems
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+        sys.exit(2)
+    return settings
+
+
+def port(text: str) -> int:
+    """A TCP port for argparse: 0 (any free port) to 65535."""
+    try:
+        number = int(text)
+    except ValueError:
+        number = -1
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 to 65535)")
+    return number
 
 
 def diagnose(url: str, window_s: float, api_key: str | None) -> int:
@@ -62,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     serve_cmd = commands.add_parser("serve", help="serve the HTTP API")
     serve_cmd.add_argument("--host", default="0.0.0.0")
-    serve_cmd.add_argument("--port", type=int, default=8000)
+    serve_cmd.add_argument("--port", type=port, default=8000, help="0 picks a free port")
     diagnose_cmd = commands.add_parser(
         "diagnose", help="ask a running server where its bottleneck is (four quadrants)"
     )
@@ -92,10 +119,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if args.command == "serve":
-        serve(args.host, args.port)
+        serve(args.host, args.port, settings_or_exit(serving=True))
     elif args.command == "recognize":
         from app.recognize_cli import run
 
+        if args.url is None:  # the model runs in this process, as the settings say
+            settings_or_exit(serving=False)
         sys.exit(
             run(
                 args.paths,

@@ -5,17 +5,25 @@ TEXEL_DEVICE=cuda:0 TEXEL_FORMULA__MAX_BATCH_SIZE=64 texel serve
 The settings a user chooses are at the top level and in each model's entry; the rest
 sit in `advanced` groups (docs/tuning.md says when to touch them). These classes are
 the single source of truth: docs/configuration.md is generated from them.
+
+`read_settings` is how the `texel` command reads them: a `TEXEL_` variable that names no
+setting, or a value a setting does not allow, is a problem to report, not a traceback.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
-from collections.abc import Callable
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import BaseModel, Field, field_validator
+import pydantic_settings
+from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 if TYPE_CHECKING:
@@ -24,6 +32,22 @@ if TYPE_CHECKING:
     from models.base import Model
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+ENV_PREFIX = "TEXEL_"
+ENV_DELIMITER = "__"
+# TEXEL_ variables that are not settings and are let through: the launcher gives its
+# processes its pid (TEXEL_LAUNCHER_PID, for the bottleneck probe); the benchmarks
+# (TEXEL_COMMIT, TEXEL_BENCH_INSTANT) and the tests (TEXEL_DATA, TEXEL_BACKENDS_CACHE,
+# TEXEL_UPDATE_SCREENSHOT) set theirs in the environment of the servers they start.
+NOT_SETTINGS = frozenset(
+    {
+        "TEXEL_LAUNCHER_PID",
+        "TEXEL_COMMIT",
+        "TEXEL_BENCH_INSTANT",
+        "TEXEL_DATA",
+        "TEXEL_BACKENDS_CACHE",
+        "TEXEL_UPDATE_SCREENSHOT",
+    }
+)
 
 
 class ModelSettings(BaseModel):
@@ -227,8 +251,12 @@ class AdvancedSettings(BaseModel):
 
 
 class Settings(BaseSettings):
+    """`texel serve` refuses to start, with exit status 2 and a line per problem, on a
+    `TEXEL_` variable that names no setting, a value a setting does not allow, a model
+    folder that is not there, or no model enabled."""
+
     model_config = SettingsConfigDict(
-        env_prefix="TEXEL_", env_nested_delimiter="__", extra="ignore"
+        env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_DELIMITER, extra="ignore"
     )
 
     device: str = Field("auto", description="auto, cpu, cuda (every GPU) or cuda:N.")
@@ -252,7 +280,9 @@ class Settings(BaseSettings):
         default_factory=list, description="Origins allowed to call the API from a browser."
     )
     log_format: Literal["json", "text"] = Field("text", description="json: one object a line.")
-    log_level: str = Field("INFO", description="Python logging level.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
+        "INFO", description="Python logging level, in any case."
+    )
     shutdown_grace_s: float = Field(
         0.0, ge=0, description="On SIGTERM, report not-ready this long before draining."
     )
@@ -277,6 +307,46 @@ class Settings(BaseSettings):
             if isinstance(entry, ModelSettings) and entry.enabled
         }
 
+    def serving_problems(self) -> list[str]:
+        """Why `texel serve` cannot start with these settings, one line each: a device
+        that is not there, an enabled model whose `model` is plainly a folder (a hub id
+        is `name` or `org/name`) that is not there, or no model enabled at all."""
+        from models.devices import resolve_devices
+
+        problems = []
+        try:
+            resolve_devices(self.device)
+        except RuntimeError as exc:
+            problems.append(str(exc))
+        for key, entry in self.models().items():
+            path = entry.model
+            plainly_a_path = path.startswith(("/", "./", "../", "~")) or path.count("/") > 1
+            if plainly_a_path and not Path(path).is_dir():
+                unexpanded = " (~ is not expanded)" if path.startswith("~") else ""
+                problems.append(f"{env_name(key, 'model')}={path}: no such folder{unexpanded}")
+        if not self.models():
+            switches = [
+                f"{env_name(name, 'enabled')}=false"
+                for name in type(self).model_fields
+                if isinstance(getattr(self, name), ModelSettings)
+            ]
+            problems.append(f"{', '.join(switches)}: no model is enabled, nothing to serve")
+        return problems
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _known_device(cls, value):
+        if isinstance(value, str):
+            value = value.strip().lower()
+            if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+                raise ValueError("should be auto, cpu, cuda or cuda:N")
+        return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper_case(cls, value):
+        return value.upper() if isinstance(value, str) else value
+
     @field_validator("cors_origins", "api_keys", mode="before")
     @classmethod
     def _comma_separated(cls, value):
@@ -287,3 +357,71 @@ class Settings(BaseSettings):
                 return json.loads(value)
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+
+class InvalidSettings(Exception):
+    """Settings Texel cannot start with: `problems` holds one line per problem, each
+    naming its environment variable."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def read_settings() -> Settings:
+    """The settings in this process's environment; `InvalidSettings` lists every
+    `TEXEL_` variable that names no setting and every value a setting does not allow."""
+    problems = unknown_variables(os.environ)
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        problems += [_problem(error) for error in exc.errors()]
+    except pydantic_settings.SettingsError as exc:  # a nested group's JSON that does not parse
+        problems.append(str(exc))
+    if problems:
+        raise InvalidSettings(problems)
+    return settings
+
+
+def env_name(*path: str) -> str:
+    """The variable of the setting at `path` (`formula`, `max_batch_size`)."""
+    return ENV_PREFIX + ENV_DELIMITER.join(part.upper() for part in path)
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One line for each `TEXEL_` variable in `environ` that Texel does not read, with
+    the setting it may be a misspelling of: a setting silently not applied would be
+    worse than a refusal."""
+    variables = dict(_variables(Settings))
+    leaves = [name.removeprefix(ENV_PREFIX) for name, nested in variables.items() if not nested]
+    problems = []
+    for name in sorted(environ):
+        upper = name.upper()  # names are not case-sensitive
+        if not upper.startswith(ENV_PREFIX) or upper in variables or upper in NOT_SETTINGS:
+            continue
+        problem = f"{name}: no such setting"
+        # Compared without the prefix all names share, which would make any name close.
+        close = difflib.get_close_matches(upper.removeprefix(ENV_PREFIX), leaves, n=1)
+        if close:
+            problem += f"; did you mean {ENV_PREFIX}{close[0]}?"
+        problems.append(problem)
+    return problems
+
+
+def _variables(cls: type[BaseModel], *path: str) -> Iterator[tuple[str, bool]]:
+    """Every variable the settings of `cls` read, and whether it is a nested group's
+    (which takes a JSON object)."""
+    for name, field in cls.model_fields.items():
+        nested = isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        yield env_name(*path, name), nested
+        if nested:
+            yield from _variables(field.annotation, *path, name)
+
+
+def _problem(error: ErrorDetails) -> str:
+    """A pydantic error as a line naming the variable, the value and what is allowed."""
+    message = error["msg"].removeprefix("Value error, ")
+    if message.startswith("Input should"):
+        message = message.removeprefix("Input ")
+    path = [part for part in error["loc"] if isinstance(part, str)]  # not a list's index
+    return f"{env_name(*path)}={error['input']}: {message}"

@@ -3,14 +3,18 @@ processes and models from them."""
 
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 import torch
 from pydantic import ValidationError
 
 from app import launcher
 from app.launcher import ProcessPlan, model_plans
-from app.settings import Settings
+from app.settings import InvalidSettings, Settings, read_settings, unknown_variables
 from engine import ModelPlan
+from tests.conftest import ROOT
 
 CPU = torch.device("cpu")
 GPUS = [torch.device("cuda", 0), torch.device("cuda", 1)]
@@ -49,6 +53,127 @@ def test_invalid_values_are_refused(monkeypatch):
     monkeypatch.setenv("TEXEL_FORMULA__MAX_BATCH_SIZE", "0")
     with pytest.raises(ValidationError):
         Settings()
+
+
+@pytest.fixture
+def environment(monkeypatch):
+    """No TEXEL_ variable but those a test sets, and the CPU."""
+    for name in [n for n in os.environ if n.upper().startswith("TEXEL_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TEXEL_DEVICE", "cpu")
+    return monkeypatch
+
+
+def problems(environment, **env: str) -> list[str]:
+    for name, value in env.items():
+        environment.setenv(name, value)
+    try:
+        return read_settings().serving_problems()
+    except InvalidSettings as exc:
+        return exc.problems
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "allowed"),
+    [
+        ("TEXEL_REQUEST_TIMEOUT_S", "abc", "should be a valid number"),
+        ("TEXEL_REQUEST_TIMEOUT_S", "-1", "should be greater than 0"),
+        ("TEXEL_HTTP_PROCESSES", "0", "should be greater than or equal to 1"),
+        ("TEXEL_FORMULA__MAX_BATCH_SIZE", "0", "should be greater than or equal to 1"),
+        ("TEXEL_DTYPE", "float64", "should be 'auto', 'float32', 'float16' or 'bfloat16'"),
+        ("TEXEL_LOG_LEVEL", "LOUD", "should be 'DEBUG', 'INFO', 'WARNING', 'ERROR' or"),
+        ("TEXEL_DEVICE", "gpu", "should be auto, cpu, cuda or cuda:N"),
+    ],
+)
+def test_an_invalid_value_is_one_line_naming_the_variable_the_value_and_what_is_allowed(
+    environment, name, value, allowed
+):
+    (line,) = problems(environment, **{name: value})
+    assert line.startswith(f"{name}={value}: {allowed}")
+
+
+def test_every_problem_with_the_variables_is_reported_at_once(environment):
+    lines = problems(environment, TEXEL_BOGUS="1", TEXEL_DTYPE="x", TEXEL_HTTP_PROCESSES="0")
+    assert [line.split(":")[0] for line in lines] == [
+        "TEXEL_BOGUS",
+        "TEXEL_DTYPE=x",
+        "TEXEL_HTTP_PROCESSES=0",
+    ]
+
+
+def test_the_log_level_and_the_device_are_read_in_any_case(environment):
+    environment.setenv("TEXEL_LOG_LEVEL", "debug")
+    environment.setenv("TEXEL_DEVICE", " CUDA:1 ")
+    settings = Settings()
+    assert (settings.log_level, settings.device) == ("DEBUG", "cuda:1")
+
+
+def test_an_unknown_variable_is_refused_with_the_setting_it_may_misspell():
+    assert unknown_variables(
+        {"TEXEL_BOGUS": "1", "TEXEL_FORMULA__MAX_BATCHSIZE": "2", "TEXEL_WORKER_PROCESSES": "4"}
+    ) == [
+        "TEXEL_BOGUS: no such setting",
+        "TEXEL_FORMULA__MAX_BATCHSIZE: no such setting; "
+        "did you mean TEXEL_FORMULA__MAX_BATCH_SIZE?",
+        "TEXEL_WORKER_PROCESSES: no such setting; did you mean TEXEL_HTTP_PROCESSES?",
+    ]
+
+
+def test_every_variable_the_reference_lists_is_known_in_any_case():
+    reference = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    listed = re.findall(r"^\| `(TEXEL_\w+)`", reference, flags=re.MULTILINE)
+    assert len(listed) > 30
+    assert unknown_variables({name: "" for name in listed}) == []
+    assert unknown_variables({name.lower(): "" for name in listed}) == []
+
+
+def test_the_variables_texels_own_tools_set_for_its_servers_are_let_through():
+    # The launcher's pid for its processes; the benchmarks' and the tests' own.
+    own = ["TEXEL_LAUNCHER_PID", "TEXEL_COMMIT", "TEXEL_BENCH_INSTANT", "TEXEL_DATA"]
+    own += ["TEXEL_BACKENDS_CACHE", "TEXEL_UPDATE_SCREENSHOT"]
+    assert unknown_variables({name: "1" for name in own}) == []
+
+
+@pytest.mark.parametrize(
+    "path", ["/nonexistent/model", "./missing", "../missing", "models/formula/missing"]
+)
+def test_an_enabled_model_in_a_folder_that_is_not_there_is_refused(environment, path):
+    assert problems(environment, TEXEL_FORMULA__MODEL=path) == [
+        f"TEXEL_FORMULA__MODEL={path}: no such folder"
+    ]
+
+
+def test_a_model_path_with_a_tilde_is_refused_since_it_is_not_expanded(environment):
+    assert problems(environment, TEXEL_IMAGE__MODEL="~/models/image") == [
+        "TEXEL_IMAGE__MODEL=~/models/image: no such folder (~ is not expanded)"
+    ]
+
+
+@pytest.mark.parametrize("model", ["org/name", "name"])
+def test_a_hub_id_is_accepted_without_looking_it_up(environment, model):
+    assert problems(environment, TEXEL_FORMULA__MODEL=model, TEXEL_IMAGE__MODEL=model) == []
+
+
+def test_an_existing_model_folder_is_accepted(environment, tmp_path):
+    assert problems(environment, TEXEL_FORMULA__MODEL=str(tmp_path)) == []
+
+
+def test_a_disabled_model_is_not_looked_for(environment):
+    assert problems(environment, TEXEL_IMAGE__MODEL="/nonexistent", TEXEL_IMAGE__ENABLED="0") == []
+
+
+def test_no_model_enabled_is_refused_as_nothing_to_serve(environment):
+    assert problems(environment, TEXEL_FORMULA__ENABLED="false", TEXEL_IMAGE__ENABLED="false") == [
+        "TEXEL_FORMULA__ENABLED=false, TEXEL_IMAGE__ENABLED=false: no model is enabled, "
+        "nothing to serve"
+    ]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_cuda_device_this_machine_lacks_is_refused(environment):
+    assert problems(environment, TEXEL_DEVICE="cuda:0") == [
+        "TEXEL_DEVICE=cuda:0 but that CUDA device is not available"
+    ]
 
 
 def test_one_cpu_http_process_serves_with_the_engine_inside():
