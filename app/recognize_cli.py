@@ -5,7 +5,9 @@ The images go through a running server (`--url`) or, without one, through an eng
 this process with the formula model only: `LocalEngine` behind the same `Runtime` that a
 one-process server answers with, so an image gives the same LaTeX, or the same error
 code, either way. Lines already in the output file are skipped, so a run that was
-interrupted picks up where it stopped.
+interrupted picks up where it stopped. A line names its image relative to the output
+file's folder when the image is under it, else by its absolute path, so the same command
+resumes from any working directory.
 """
 
 from __future__ import annotations
@@ -15,8 +17,13 @@ import json
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    import httpx
 
 # What a folder is searched for; a file named on the command line is sent whatever its name.
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"})
@@ -46,9 +53,21 @@ def find_images(paths: Iterable[str | Path]) -> list[Path]:
     return list(found.values())
 
 
+def line_path(image: Path, folder: Path | None) -> str:
+    """How a line names `image`: relative to `folder` (the output file's, resolved) when
+    the image is under it, else absolute; as given when there is no output file."""
+    if folder is None:
+        return str(image)
+    try:
+        return str(image.resolve().relative_to(folder))
+    except ValueError:
+        return str(image.resolve())
+
+
 def done_paths(out: Path, retry_failed: bool = False) -> set[Path]:
-    """The images that already have a line in `out`; with `retry_failed`, only those whose
-    last line holds LaTeX. A line cut short by an interruption is not counted."""
+    """The images that already have a line in `out`, its paths read from `out`'s folder;
+    with `retry_failed`, only those whose last line holds LaTeX. A line cut short by an
+    interruption is not counted."""
     last: dict[Path, bool] = {}
     if not out.exists():
         return set()
@@ -56,7 +75,7 @@ def done_paths(out: Path, retry_failed: bool = False) -> set[Path]:
         for line in lines:
             try:
                 record = json.loads(line)
-                last[Path(record["path"]).resolve()] = "latex" in record
+                last[(out.parent / record["path"]).resolve()] = "latex" in record
             except (ValueError, KeyError, TypeError):
                 continue
     return {path for path, ok in last.items() if ok or not retry_failed}
@@ -77,6 +96,26 @@ def append_lines(out: Path) -> TextIO:
 
 def error(code: str, message: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message}}
+
+
+def reason(exc: BaseException) -> str:
+    """What went wrong, never empty: some errors, such as a connection reset, carry no text."""
+    return str(exc) or type(exc).__name__
+
+
+def is_texel_livez(response: httpx.Response) -> bool:
+    """Whether an answer to `GET /livez` is a Texel server's."""
+    try:
+        return response.status_code == 200 and response.json() == {"status": "ok"}
+    except ValueError:
+        return False
+
+
+def summary(response: httpx.Response) -> str:
+    """An HTTP answer in one line: its status and the start of its body."""
+    status = f"{response.status_code} {response.reason_phrase}"
+    body = " ".join(response.text.split())[:100]
+    return f"{status}: {body}" if body else status
 
 
 class Recognizer(ABC):
@@ -109,11 +148,20 @@ class ServerRecognizer(Recognizer):
 
         limits = httpx.Limits(max_connections=self.concurrency)
         self._client = httpx.AsyncClient(headers=self._headers, timeout=120, limits=limits)
+        probe = self.url + "/livez"
         try:
-            await self._client.get(self.url + "/livez")
+            response = await self._client.get(probe)
         except httpx.HTTPError as exc:
             await self._client.aclose()
-            raise RecognizeError(f"could not reach {self.url}: {exc}") from None
+            raise RecognizeError(f"could not reach {self.url}: {reason(exc)}") from None
+        if not is_texel_livez(response):
+            await self._client.aclose()
+            base = urlsplit(self.url)._replace(path="", query="", fragment="").geturl()
+            raise RecognizeError(
+                f"{self.url} does not answer like a Texel server: GET {probe} answered "
+                f"{summary(response)}; give --url the server's base URL"
+                + (f", perhaps {base}" if base != self.url else "")
+            )
         return self
 
     async def __aexit__(self, *exc_info) -> None:
@@ -128,7 +176,7 @@ class ServerRecognizer(Recognizer):
                     self.url + "/recognize", files={"image": ("image", data)}
                 )
             except httpx.HTTPError as exc:
-                return error("unreachable", f"{self.url}: {exc}")
+                return error("unreachable", f"{self.url}: {reason(exc)}")
             retry_after = response.headers.get("retry-after", "")
             if response.status_code in (429, 503) and retry_after.isdigit() and attempt < RETRIES:
                 await asyncio.sleep(min(float(retry_after), LONGEST_RETRY_WAIT_S))
@@ -214,40 +262,58 @@ class LocalRecognizer(Recognizer):
         }
 
 
+@dataclass
+class Tally:
+    """The lines a run has written, and how many of them are errors."""
+
+    written: int = 0
+    failed: int = 0
+
+
 async def recognize_all(
-    images: Sequence[Path], recognizer: Recognizer, out: TextIO, progress: bool = True
-) -> int:
+    images: Sequence[Path],
+    recognizer: Recognizer,
+    out: TextIO,
+    tally: Tally,
+    progress: bool = True,
+    folder: Path | None = None,
+) -> None:
     """Recognize `images` with up to `recognizer.concurrency` in flight and write a line
-    for each as it is answered (flushed, so an interruption loses nothing written);
-    the number that failed."""
+    for each as it is answered (flushed, so an interruption loses nothing written),
+    naming its image relative to `folder` (see `line_path`)."""
     from tqdm import tqdm
 
     queue: asyncio.Queue[Path] = asyncio.Queue()
     for path in images:
         queue.put_nowait(path)
-    failed = 0
     bar = tqdm(total=len(images), unit="image", file=sys.stderr, disable=not progress)
 
     async def work() -> None:
-        nonlocal failed
         while not queue.empty():
             path = queue.get_nowait()
             try:
                 data = await asyncio.to_thread(path.read_bytes)
             except OSError as exc:
-                answer = error("unreadable", f"{path}: {exc.strerror or exc}")
+                answer = error("unreadable", f"{path}: {exc.strerror or reason(exc)}")
             else:
                 answer = await recognizer.recognize(data)
-            failed += "error" in answer
-            out.write(json.dumps({"path": str(path), **answer}, ensure_ascii=False) + "\n")
+            line = {"path": line_path(path, folder), **answer}
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
             out.flush()
+            tally.written += 1
+            tally.failed += "error" in answer
             bar.update()
 
     try:
         await asyncio.gather(*(work() for _ in range(max(1, recognizer.concurrency))))
     finally:
         bar.close()
-    return failed
+
+
+def stop(message: str) -> int:
+    """A run that cannot start: one line on stderr, exit status 2."""
+    print(f"texel recognize: {message}", file=sys.stderr)
+    return 2
 
 
 def run(
@@ -260,12 +326,24 @@ def run(
     progress: bool | None = None,
 ) -> int:
     """`texel recognize`: exit status 0 when every image has LaTeX, 1 when some failed
-    (their lines say why), 2 when the run could not start."""
+    (their lines say why), 2 when the run could not start, 130 when interrupted (Ctrl-C;
+    the same command again resumes)."""
+    if concurrency is not None and concurrency < 1:
+        return stop(f"--concurrency must be 1 or more, not {concurrency}")
+    folder = None
+    if out is not None:
+        # Checked before any work: a typo in a folder name is an error, not a new folder.
+        if Path(out).is_dir():
+            return stop(
+                f"--out {out} is a folder; give a file, such as {Path(out) / 'results.jsonl'}"
+            )
+        if not Path(out).parent.is_dir():
+            return stop(f"--out {out}: there is no folder {Path(out).parent}")
+        folder = Path(out).parent.resolve()
     try:
         images = find_images(paths)
     except RecognizeError as exc:
-        print(f"texel recognize: {exc}", file=sys.stderr)
-        return 2
+        return stop(str(exc))
     if out is not None:
         done = done_paths(Path(out), retry_failed)
         todo = [path for path in images if path.resolve() not in done]
@@ -275,12 +353,12 @@ def run(
         todo = images
     if not todo:
         if not images:
-            print("texel recognize: no images found", file=sys.stderr)
-            return 2
+            return stop("no images found")
         return 0
     progress = sys.stderr.isatty() if progress is None else progress
+    tally = Tally()
 
-    async def main() -> int:
+    async def main() -> None:
         recognizer = (
             ServerRecognizer(url, api_key, concurrency or 16)
             if url
@@ -288,15 +366,20 @@ def run(
         )
         async with recognizer:
             if out is None:
-                return await recognize_all(todo, recognizer, sys.stdout, progress)
-            with append_lines(Path(out)) as sink:
-                return await recognize_all(todo, recognizer, sink, progress)
+                await recognize_all(todo, recognizer, sys.stdout, tally, progress)
+            else:
+                with append_lines(Path(out)) as sink:
+                    await recognize_all(todo, recognizer, sink, tally, progress, folder)
 
     try:
-        failed = asyncio.run(main())
+        asyncio.run(main())
     except RecognizeError as exc:
-        print(f"texel recognize: {exc}", file=sys.stderr)
-        return 2
-    if failed:
-        print(f"{failed} of {len(todo)} images failed", file=sys.stderr)
-    return 1 if failed else 0
+        return stop(str(exc))
+    except KeyboardInterrupt:
+        resume = f" to {out}; run the same command again to resume" if out else ""
+        written = f"{tally.written} of {len(todo)} images written{resume}"
+        print(f"texel recognize: interrupted, {written}", file=sys.stderr)
+        return 130
+    if tally.failed:
+        print(f"{tally.failed} of {len(todo)} images failed", file=sys.stderr)
+    return 1 if tally.failed else 0
