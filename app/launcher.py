@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -220,7 +221,10 @@ class Launcher:
     def run(self) -> None:
         holder, claim = self._claim_port()
         address = holder.getsockname()[:2]
-        directory = tempfile.mkdtemp(prefix="texel-")  # mode 0700: the sockets live here
+        remove_orphans(tempfile.gettempdir())
+        # Mode 0700: the sockets live here. Named after this process, so that a later
+        # server can tell it is left over if this one is killed.
+        directory = tempfile.mkdtemp(prefix=f"texel-{os.getpid()}-")
         metrics_dir = os.path.join(directory, "metrics")
         os.mkdir(metrics_dir)
         # Inherited by every child; read by prometheus_client when it is imported there.
@@ -331,3 +335,18 @@ def shutdown_limit_s(settings: Settings) -> float:
     """The longest a server takes to stop after SIGTERM: what an orchestrator's grace
     period (Kubernetes' `terminationGracePeriodSeconds`) must exceed."""
     return settings.shutdown_grace_s + settings.drain_timeout_s + HTTP_STOP_S + ENGINE_STOP_S
+
+
+def remove_orphans(parent: str) -> None:
+    """Remove the folders that killed servers left in `parent` (a launcher SIGKILLed
+    cannot clean up; its children exit with it): `texel-PID-*` whose PID is gone."""
+    for folder in Path(parent).glob("texel-*-*"):
+        pid = folder.name.split("-")[1]
+        if not pid.isdigit() or not folder.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass

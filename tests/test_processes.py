@@ -254,6 +254,24 @@ def test_a_second_server_on_the_port_is_refused_not_handed_half_its_connections(
     assert httpx.get(shared.url + "/livez").status_code == 200  # the first one is untouched
 
 
+def test_a_new_server_removes_the_folders_of_killed_ones_and_only_those(tmp_path):
+    from app.launcher import remove_orphans
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    orphan = tmp_path / f"texel-{gone.pid}-x1"  # its launcher was SIGKILLed
+    running = tmp_path / f"texel-{os.getpid()}-x2"
+    for folder in (orphan, running):
+        (folder / "metrics").mkdir(parents=True)
+    log = tmp_path / "texel-test-8000.log"
+    log.write_text("not a server's folder")
+
+    remove_orphans(str(tmp_path))
+
+    assert not orphan.exists()
+    assert running.exists() and log.exists()
+
+
 def test_connection_share_lets_go_of_what_is_over_an_eighth_above_the_even_split():
     table = [0, 0, 0, 0]
     share = ConnectionShare(table, 0)
