@@ -102,7 +102,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     recognize_cmd.add_argument("paths", nargs="+", metavar="PATH", help="images or folders")
     recognize_cmd.add_argument(
-        "--out", default=None, help="JSON lines file; images already in it are skipped"
+        "--out",
+        default=None,
+        help="JSON lines file; images already in it are skipped, so the same command "
+        "resumes (lines name images relative to its folder)",
     )
     recognize_cmd.add_argument(
         "--url", default=None, help="a running server; without it the model runs in-process"
