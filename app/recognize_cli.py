@@ -330,22 +330,23 @@ def run(
     the same command again resumes)."""
     if concurrency is not None and concurrency < 1:
         return stop(f"--concurrency must be 1 or more, not {concurrency}")
+    sink_path = Path(out) if out is not None else None
     folder = None
-    if out is not None:
+    if sink_path is not None:
         # Checked before any work: a typo in a folder name is an error, not a new folder.
-        if Path(out).is_dir():
+        if sink_path.is_dir():
             return stop(
-                f"--out {out} is a folder; give a file, such as {Path(out) / 'results.jsonl'}"
+                f"--out {out} is a folder; give a file, such as {sink_path / 'results.jsonl'}"
             )
-        if not Path(out).parent.is_dir():
-            return stop(f"--out {out}: there is no folder {Path(out).parent}")
-        folder = Path(out).parent.resolve()
+        if not sink_path.parent.is_dir():
+            return stop(f"--out {out}: there is no folder {sink_path.parent}")
+        folder = sink_path.parent.resolve()
     try:
         images = find_images(paths)
     except RecognizeError as exc:
         return stop(str(exc))
-    if out is not None:
-        done = done_paths(Path(out), retry_failed)
+    if sink_path is not None:
+        done = done_paths(sink_path, retry_failed)
         todo = [path for path in images if path.resolve() not in done]
         if len(todo) < len(images):
             print(f"{len(images) - len(todo)} images already in {out}", file=sys.stderr)
@@ -365,10 +366,10 @@ def run(
             else LocalRecognizer(concurrency=concurrency)
         )
         async with recognizer:
-            if out is None:
+            if sink_path is None:
                 await recognize_all(todo, recognizer, sys.stdout, tally, progress)
             else:
-                with append_lines(Path(out)) as sink:
+                with append_lines(sink_path) as sink:
                     await recognize_all(todo, recognizer, sink, tally, progress, folder)
 
     try:
