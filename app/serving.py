@@ -30,7 +30,7 @@ from engine import (
     EngineUnavailable,
     ModelState,
 )
-from models.base import Model
+from models.base import Model, log_load_failure
 from telemetry import RequestTrace, metrics
 from telemetry.bottleneck import BottleneckSampler, watch_event_loop, watch_garbage_collector
 
@@ -75,7 +75,7 @@ class Runtime:
                 await loop.run_in_executor(self.pool, model.open)
             except Exception as exc:
                 self._opening[key] = f"{type(exc).__name__}: {exc}"
-                log.exception("could not open the %s model's processing", key)
+                log_load_failure(log, exc, "could not open the %s model's processing", key)
         for engine in self.engines:
             self._load[engine.name] = 0.0
             await engine.start()

@@ -19,7 +19,7 @@ import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import pydantic_settings
 from pydantic import BaseModel, Field, ValidationError, field_validator
@@ -52,6 +52,12 @@ NOT_SETTINGS = frozenset(
 
 class ModelSettings(BaseModel):
     """Settings of one served model and its batcher."""
+
+    # What a local folder of the model's family holds: each entry is a file, or files
+    # of which one will do. A folder without them is refused at start, with their names,
+    # rather than failing to load with a library's guess at the cause.
+    folder_files: ClassVar[tuple[tuple[str, ...], ...]] = ()
+    family: ClassVar[str] = "model"
 
     enabled: bool = Field(True, description="Load and serve this model.")
     model: str = Field(description="A local directory or a Hugging Face hub id.")
@@ -107,6 +113,13 @@ class FormulaAdvanced(BaseModel):
 
 
 class FormulaSettings(ModelSettings):
+    folder_files = (
+        ("config.json",),
+        ("preprocessor_config.json",),
+        ("tokenizer.json", "tokenizer_config.json"),
+    )
+    family = "VisionEncoderDecoderModel"
+
     model: str = Field(
         str(MODELS_DIR / "formula" / "default"),
         description="VisionEncoderDecoderModel directory or hub id.",
@@ -170,6 +183,9 @@ class ImageAdvanced(BaseModel):
 
 
 class ImageSettings(ModelSettings):
+    folder_files = (("model_index.json",),)
+    family = "diffusers pipeline"
+
     model: str = Field(
         str(MODELS_DIR / "image" / "default"),
         description="diffusers text-to-image pipeline directory or hub id.",
@@ -310,7 +326,8 @@ class Settings(BaseSettings):
     def serving_problems(self) -> list[str]:
         """Why `texel serve` cannot start with these settings, one line each: a device
         that is not there, an enabled model whose `model` is plainly a folder (a hub id
-        is `name` or `org/name`) that is not there, or no model enabled at all."""
+        is `name` or `org/name`) that is not there or a folder without its family's
+        files, or no model enabled at all."""
         from models.devices import resolve_devices
 
         problems = []
@@ -321,7 +338,18 @@ class Settings(BaseSettings):
         for key, entry in self.models().items():
             path = entry.model
             plainly_a_path = path.startswith(("/", "./", "../", "~")) or path.count("/") > 1
-            if plainly_a_path and not Path(path).is_dir():
+            if Path(path).is_dir():
+                lacking = [
+                    " or ".join(names)
+                    for names in entry.folder_files
+                    if not any((Path(path) / name).is_file() for name in names)
+                ]
+                if lacking:
+                    problems.append(
+                        f"{env_name(key, 'model')}={path}: not a {entry.family} folder, "
+                        f"it has no {', no '.join(lacking)}"
+                    )
+            elif plainly_a_path:
                 unexpanded = " (~ is not expanded)" if path.startswith("~") else ""
                 problems.append(f"{env_name(key, 'model')}={path}: no such folder{unexpanded}")
         if not self.models():

@@ -37,7 +37,7 @@ from engine.sharing import (
     TorchCuda,
     lane_attributes,
 )
-from models.base import DeviceRunner, Model
+from models.base import DeviceRunner, Model, log_load_failure
 from telemetry import BatchTelemetry, metrics
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class Engine:
             description = model.describe()
         except Exception as exc:
             served.state = ModelState("failed", f"{type(exc).__name__}: {exc}")
-            log.exception("could not load the %s model on %s", plan.key, self.name)
+            log_load_failure(log, exc, "could not load the %s model on %s", plan.key, self.name)
             return
         policy = BatchPolicy(
             max_batch_size=plan.max_batch_size,

@@ -22,6 +22,7 @@ A new model family is one subclass here and one entry in the settings.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -31,6 +32,17 @@ import torch
 
 ShouldStop = Callable[[], bool]
 Stage = tuple[str, Callable[[Any], Any]]
+
+
+def log_load_failure(log: logging.Logger, exc: BaseException, message: str, *args: Any) -> None:
+    """Log why a model could not be opened or loaded. Files that are missing or cannot be
+    fetched (`from_pretrained` raises OSError for a folder without them and for a hub id
+    out of reach) are the user's to fix and their message says what: one line. Anything
+    else may be Texel's bug: with its traceback."""
+    if isinstance(exc, OSError):
+        log.error(message + ": %s", *args, " ".join(str(exc).split()))
+    else:
+        log.exception(message, *args)
 
 
 class BatchRun(Protocol):

@@ -6,6 +6,7 @@ built once and the shared server starts once per run."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,14 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
         "formula": build_tiny_formula_model(root / "formula"),
         "image": build_tiny_image_pipeline(root / "image"),
     }
+
+
+def weightless_copy(model: Path, to: Path) -> Path:
+    """`model`'s folder without its weights: it passes the start-up check of a model
+    folder, then fails to load (an OSError from `from_pretrained`, as a user's
+    half-copied folder would)."""
+    shutil.copytree(model, to, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    return to
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,7 @@ import pytest
 from app.server import ConnectionShare
 from app.serving import FOLLOW_S
 from tests.conftest import formula_png, wait_for
+from tests.fixtures import weightless_copy
 from tests.server import ROOT, ServerProcess
 
 HTTP_PROCESSES = 2
@@ -168,8 +169,9 @@ def start_restartable(tiny_env: dict[str, str]) -> Restartable:
 @pytest.fixture(scope="module")
 def starting(tiny_env, tmp_path_factory):
     """Both servers, started side by side (a start-up keeps about one core busy)."""
-    missing = tmp_path_factory.mktemp("models") / "empty"  # a folder with no model in it
-    missing.mkdir()
+    missing = weightless_copy(  # an image model that fails to load
+        Path(tiny_env["TEXEL_IMAGE__MODEL"]), tmp_path_factory.mktemp("models") / "weightless"
+    )
     pool = concurrent.futures.ThreadPoolExecutor(2)
     futures = {
         "shared": pool.submit(

@@ -13,6 +13,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,6 +21,7 @@ import pytest
 from app.launcher import shutdown_limit_s
 from app.settings import Settings
 from tests.conftest import formula_png, wait_for
+from tests.fixtures import weightless_copy
 from tests.server import ServerProcess
 
 SLOW = {"prompt": "a slow one", "num_inference_steps": 40, "seed": 1}
@@ -28,9 +30,10 @@ SLOW = {"prompt": "a slow one", "num_inference_steps": 40, "seed": 1}
 @pytest.fixture(scope="module")
 def deadlines(tiny_env, tmp_path_factory):
     """Requests have 2 s; one image at a time, of up to 1,000 steps. The formula model's
-    folder is empty: it fails to load, and the server is never ready."""
-    missing = tmp_path_factory.mktemp("models") / "empty"
-    missing.mkdir()
+    folder has no weights: it fails to load, and the server is never ready."""
+    missing = weightless_copy(
+        Path(tiny_env["TEXEL_FORMULA__MODEL"]), tmp_path_factory.mktemp("models") / "weightless"
+    )
     server = ServerProcess(
         {
             **tiny_env,
@@ -179,6 +182,12 @@ def test_readyz_is_503_and_inference_503_when_a_model_cannot_load(deadlines):
     text = httpx.get(server.url + "/metrics").text
     ready = dict(re.findall(r'^texel_model_ready\{model="([^"]+)"\} (\S+)$', text, re.M))
     assert sorted(ready.values()) == ["0.0", "1.0"], ready
+    # The log says why in one line, the folder that lacks its weights named: a missing
+    # file is the user's to fix, not a bug to trace.
+    log = server.log(tail=1_000_000)
+    failures = [line for line in log.splitlines() if "model" in line and "ERROR" in line]
+    assert failures and all("/weightless" in line for line in failures), failures
+    assert "Traceback" not in log
 
 
 # A server of its own: it stops it, and the default queue takes all three requests

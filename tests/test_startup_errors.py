@@ -59,17 +59,41 @@ def texel_serve(*args: str, **env: str) -> subprocess.CompletedProcess:
             {"TEXEL_FORMULA__MODEL": "/nonexistent/model"},
             "TEXEL_FORMULA__MODEL=/nonexistent/model: no such folder",
         ),
+        (  # the models mixed up: a folder, but not of the family the setting serves
+            {
+                "TEXEL_FORMULA__MODEL": "models/image/default",
+                "TEXEL_IMAGE__MODEL": "models/formula/default",
+            },
+            "TEXEL_FORMULA__MODEL=models/image/default: not a VisionEncoderDecoderModel "
+            "folder, it has no config.json, no preprocessor_config.json, no tokenizer.json or "
+            "tokenizer_config.json\n"
+            "TEXEL_IMAGE__MODEL=models/formula/default: not a diffusers pipeline folder, it "
+            "has no model_index.json",
+        ),
         (
             {"TEXEL_FORMULA__ENABLED": "false", "TEXEL_IMAGE__ENABLED": "false"},
             "TEXEL_FORMULA__ENABLED=false, TEXEL_IMAGE__ENABLED=false: no model is enabled, "
             "nothing to serve",
         ),
     ],
-    ids=["not-a-number", "out-of-range", "log-level", "unknown", "misspelt", "model", "none"],
+    ids=[
+        "not-a-number",
+        "out-of-range",
+        "log-level",
+        "unknown",
+        "misspelt",
+        "model",
+        "not-a-model",
+        "none",
+    ],
 )
 def test_serve_refuses_a_bad_setting_with_one_line_and_status_2(env, line):
     result = texel_serve(**env)
-    assert (result.returncode, result.stderr.splitlines(), result.stdout) == (2, [line], "")
+    assert (result.returncode, result.stderr.splitlines(), result.stdout) == (
+        2,
+        line.splitlines(),
+        "",
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
