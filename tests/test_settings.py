@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from app import launcher
 from app.launcher import ProcessPlan, model_plans
-from app.settings import InvalidSettings, Settings, read_settings, unknown_variables
+from app.settings import MODELS_DIR, InvalidSettings, Settings, read_settings, unknown_variables
 from engine import ModelPlan
 from tests.conftest import ROOT
 
@@ -154,8 +154,13 @@ def test_a_hub_id_is_accepted_without_looking_it_up(environment, model):
     assert problems(environment, TEXEL_FORMULA__MODEL=model, TEXEL_IMAGE__MODEL=model) == []
 
 
-def test_an_existing_model_folder_is_accepted(environment, tmp_path):
-    assert problems(environment, TEXEL_FORMULA__MODEL=str(tmp_path)) == []
+def test_a_model_folder_is_accepted_and_a_folder_without_its_files_refused(environment, tmp_path):
+    shipped = str(MODELS_DIR / "formula" / "default")
+    assert problems(environment, TEXEL_FORMULA__MODEL=shipped) == []
+    assert problems(environment, TEXEL_FORMULA__MODEL=str(tmp_path)) == [
+        f"TEXEL_FORMULA__MODEL={tmp_path}: not a VisionEncoderDecoderModel folder, it has no "
+        "config.json, no preprocessor_config.json, no tokenizer.json or tokenizer_config.json"
+    ]
 
 
 def test_a_disabled_model_is_not_looked_for(environment):
