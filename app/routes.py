@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry.trace import get_current_span
 from starlette.background import BackgroundTask
 
 from app import openai_api
@@ -185,7 +186,9 @@ async def _handle(request: Request, route: str, key: str, flow) -> Response:
             return response
         except Exception as exc:
             error = to_api_error(exc)
-            reason = _rejection(exc, error)
+            # What went wrong, on the request's span: a trace backend finds it by code.
+            get_current_span().set_attribute("texel.error.code", error.code)
+            reason = _rejection(exc, error, trace)
             if reason is not None:
                 metrics.REJECTED.labels(runtime.model_label(key), reason).inc()
             if error.code == "internal_error":
@@ -198,7 +201,7 @@ async def _handle(request: Request, route: str, key: str, flow) -> Response:
 # the error's code; refusals of a batcher (a full queue, a deadline, a cancelled or
 # draining request) are counted by the batcher itself.
 _REFUSALS = {
-    "client_closed_request": "cancelled",  # gone before it reached a batcher
+    "client_closed_request": "cancelled",  # gone before it reached an engine
     "draining": "draining",
     "not_ready": "not_ready",
     "model_failed": "not_ready",
@@ -208,9 +211,12 @@ _REFUSALS = {
 }
 
 
-def _rejection(exc: Exception, error: ApiError) -> str | None:
-    """The reason to count a request's error under, or None if it is already counted."""
+def _rejection(exc: Exception, error: ApiError, trace: RequestTrace | None) -> str | None:
+    """The reason to count a request's error under, or None if it is already counted
+    (by the batcher of the engine it reached)."""
     if isinstance(exc, QueueFull | DeadlineExceeded | Cancelled | Draining):
+        return None
+    if error.code == "client_closed_request" and trace is not None and trace.in_engine:
         return None
     if error.status >= 500 and error.status not in (503, 504):
         return "failed"
@@ -465,8 +471,8 @@ async def openai_images(request: Request) -> Response:
             generate = openai_api.generate_request(body, model)
         try:
             images, _ = await _generated(request, runtime, generate, trace)
-        except InputError as exc:  # the field at fault by OpenAI's name (`size`, `n`)
-            exc.param = openai_api.OPENAI_FIELDS.get(exc.param, exc.param)
+        except InputError as exc:  # the field at fault by OpenAI's name (`size`, `steps`)
+            openai_api.name_in_openai_terms(exc)
             raise
         return JSONResponse(openai_api.images_response(images.pngs, images.seeds).model_dump())
 
@@ -487,7 +493,7 @@ async def openai_models(request: Request) -> JSONResponse:
 
 
 @router.get(
-    "/v1/models/{model}",
+    "/v1/models/{model:path}",  # a hub id's name holds a `/`
     response_model=ModelCard,
     responses={401: OPENAI_ERRORS[401], 404: OPENAI_ERRORS[404]},
     dependencies=[Depends(authorized)],

@@ -23,7 +23,9 @@ from opentelemetry.trace import Link
 from app.errors import ApiError, not_ready
 from app.settings import Settings
 from engine import (
+    CUT_OFF,
     BatchResult,
+    Cancelled,
     DeadlineExceeded,
     Draining,
     EngineClient,
@@ -142,7 +144,7 @@ class Runtime:
         self.draining = True
         self._cut_off = True
         for submitted in list(self._inflight):
-            submitted.cancel()
+            submitted.cancel(CUT_OFF)
 
     async def close(self) -> None:
         self.draining = True
@@ -266,12 +268,18 @@ class Runtime:
             engine.submit(model, value, remaining, trace.span_context, on_progress)
         )
         self._inflight.add(submitted)
+        trace.in_engine = True
         try:
             result = await submitted
         except asyncio.CancelledError:
             # Cancelled by `cut_off`, not with this request's own task (a client gone).
             if self._cut_off and not asyncio.current_task().cancelling():
+                trace.unanswered(submitted_ns, Draining.code)
                 raise Draining("the server shut down before this request finished") from None
+            trace.unanswered(submitted_ns, Cancelled.code)
+            raise
+        except Exception as exc:
+            trace.unanswered(submitted_ns, getattr(exc, "code", type(exc).__name__))
             raise
         finally:
             self._load[engine.name] -= cost

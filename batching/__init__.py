@@ -14,6 +14,7 @@ from batching.batcher import (
     Worker,
 )
 from batching.errors import (
+    CUT_OFF,
     BatchFailed,
     BatchingError,
     Cancelled,
@@ -21,6 +22,7 @@ from batching.errors import (
     Draining,
     OutOfMemory,
     QueueFull,
+    cut_off,
 )
 from batching.queue import BatchPlan, BatchPolicy, BucketQueue, DrainRate, Pending
 
@@ -34,6 +36,7 @@ __all__ = [
     "Batcher",
     "BatchingError",
     "BucketQueue",
+    "CUT_OFF",
     "Cancelled",
     "ComputeThread",
     "DeadlineExceeded",
@@ -43,4 +46,5 @@ __all__ = [
     "Pending",
     "QueueFull",
     "Worker",
+    "cut_off",
 ]

@@ -31,6 +31,7 @@ from batching.errors import (
     DeadlineExceeded,
     Draining,
     OutOfMemory,
+    cut_off,
 )
 from batching.queue import (
     BatchPlan,
@@ -318,9 +319,9 @@ class Batcher:
                 self._abandon(item)
                 self._observer.rejected(self.name, "deadline")
                 raise DeadlineExceeded(f"no result within {timeout_s:g} s") from None
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             self._abandon(item)
-            self._observer.rejected(self.name, "cancelled")
+            self._observer.rejected(self.name, "draining" if cut_off(exc) else "cancelled")
             raise
         if outcome.error is not None:
             raise outcome.error

@@ -20,7 +20,8 @@ class QueueFull(BatchingError):
 
     def __init__(self, waiting: int, retry_after_s: float) -> None:
         super().__init__(
-            f"{waiting} requests are already waiting; retry in about {retry_after_s:.0f} s"
+            f"{waiting} {'request is' if waiting == 1 else 'requests are'} already waiting; "
+            f"retry in about {retry_after_s:.0f} s"
         )
         self.retry_after_s = retry_after_s
         self.waiting = waiting
@@ -40,6 +41,16 @@ class Draining(BatchingError):
     """The batcher is shutting down and accepts no new requests."""
 
     code = "draining"
+
+
+# The message of a cancellation by the server's drain rather than by the caller
+# (`task.cancel(CUT_OFF)`): the batcher counts it as `draining`, not `cancelled`.
+CUT_OFF = "draining"
+
+
+def cut_off(exc: BaseException) -> bool:
+    """Whether a cancellation came from the server's drain, not from its caller."""
+    return exc.args[:1] == (CUT_OFF,)
 
 
 class BatchFailed(BatchingError):

@@ -9,6 +9,7 @@ from batching import BatchResult
 from engine.client import EngineClient, LocalEngine, RemoteEngine
 from engine.engine import Engine, ModelPlan, ModelState
 from engine.errors import (
+    CUT_OFF,
     BatchFailed,
     BatchingError,
     Cancelled,
@@ -22,6 +23,7 @@ from engine.errors import (
 )
 
 __all__ = [
+    "CUT_OFF",
     "BatchFailed",
     "BatchResult",
     "BatchingError",

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 from opentelemetry.trace import SpanContext
 
-from batching import BatchResult
+from batching import BatchResult, cut_off
 from engine import protocol
 from engine.engine import Engine, ModelState
 from engine.errors import EngineUnavailable
@@ -197,10 +197,10 @@ class RemoteEngine(EngineClient):
             self._progress[request_id] = on_progress
         try:
             reply = await self._call(submit)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             if self._writer is not None:  # the client went away: free its place in the batch
                 with contextlib.suppress(EngineUnavailable):
-                    self._send(protocol.Cancel(request_id))
+                    self._send(protocol.Cancel(request_id, cut_off=cut_off(exc)))
             raise
         finally:
             self._progress.pop(request_id, None)

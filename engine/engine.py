@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from batching import Batcher, BatchPolicy, BatchResult, ComputeThread, Draining, Worker
+from batching import Batcher, BatchPolicy, BatchResult, ComputeThread, Worker
 from engine import sharing
 from engine.errors import NotReady, UnknownModel
 from engine.sharing import (
@@ -257,8 +257,6 @@ class Engine:
         """Batch one preprocessed payload of model `key`, due within `timeout_s`;
         `on_progress(steps done, requests ahead)` follows it (`Batcher.submit`)."""
         served = self._get(key)
-        if self.draining:
-            raise Draining("the server is shutting down and accepts no new requests")
         if served.batcher is None or served.model is None:
             raise NotReady(f"the {key} model is {served.state.state}")
         model = served.model

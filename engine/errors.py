@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from batching.errors import (
+    CUT_OFF,
     BatchFailed,
     BatchingError,
     Cancelled,
@@ -12,6 +13,7 @@ from batching.errors import (
 )
 
 __all__ = [
+    "CUT_OFF",
     "BatchFailed",
     "BatchingError",
     "Cancelled",

@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 import torch
 
+from batching import CUT_OFF
 from engine import protocol
 from engine.engine import Engine, ModelPlan
 from engine.sharing import DEFAULT_SHARING, Sharing
@@ -72,7 +73,7 @@ class EngineServer:
                     task.add_done_callback(lambda _, i=message.id: tasks.pop(i, None))
                 elif isinstance(message, protocol.Cancel):
                     if (task := tasks.pop(message.id, None)) is not None:
-                        task.cancel()
+                        task.cancel(CUT_OFF if message.cut_off else None)
                 else:
                     send(self._states(message.id))
         except (asyncio.IncompleteReadError, ConnectionError, OSError):

@@ -61,6 +61,7 @@ class Submit(msgspec.Struct, tag="submit"):
 
 class Cancel(msgspec.Struct, tag="cancel"):
     id: int
+    cut_off: bool = False  # by the HTTP process's drain, not by its client
 
 
 class Status(msgspec.Struct, tag="status"):

@@ -24,18 +24,20 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 if not MULTIPROCESS:
     ProcessCollector(registry=REGISTRY)
 
-# Per-stage and per-request latencies: from sub-millisecond parsing on a GPU box
-# to multi-second image generation on a CPU.
+# Per-stage and per-request latencies: from the tens of microseconds of a formula's
+# response stages on a GPU box to image generation on a CPU, which may take up to the
+# request deadline (TEXEL_REQUEST_TIMEOUT_S, 60 s by default) and a 504 just past it.
 LATENCY_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25,
-    0.4, 0.6, 1.0, 1.5, 2.5, 4.0, 6.0, 10.0, 20.0, 40.0,
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15,
+    0.25, 0.4, 0.6, 1.0, 1.5, 2.5, 4.0, 6.0, 10.0, 20.0, 40.0, 60.0, 120.0,
 )  # fmt: skip
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 EFFICIENCY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 TOKEN_BUCKETS = (1, 5, 10, 20, 40, 60, 80, 120, 160, 240, 320, 512)
 PER_TOKEN_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25)
 CONFIDENCE_BUCKETS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.925, 0.95, 0.975, 1.0)
-STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# A denoising step of a batch: milliseconds with CUDA graphs on a GPU, seconds on a CPU.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
 
 STAGE_DURATION = Histogram(
     "texel_stage_duration_seconds",

@@ -6,6 +6,7 @@ dashboard never mistakes "no GPU" for "idle GPU".
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -83,25 +84,59 @@ def _optional(read):
 
 
 class CpuMeter:
-    """Process CPU utilization between two readings, as a share of the usable cores."""
+    """CPU utilization of the server between two readings, as a share of the usable cores.
 
-    def __init__(self) -> None:
-        self._process = psutil.Process()
+    The server is every process of it: with a launcher (`TEXEL_LAUNCHER_PID`), the
+    launcher and its engine and HTTP processes, so that the scrape an HTTP process
+    happens to answer counts the engines' work too; in one process, that process.
+    """
+
+    def __init__(self, launcher_pid: int | None = None) -> None:
+        if launcher_pid is None and os.environ.get("TEXEL_LAUNCHER_PID"):
+            launcher_pid = int(os.environ["TEXEL_LAUNCHER_PID"])
+        self._launcher = _process(launcher_pid) if launcher_pid is not None else None
+        self._own = psutil.Process()
         self._cores = usable_cores()
         self._lock = threading.Lock()
-        self._last = (time.monotonic(), self._cpu_seconds())
+        self._last = (time.monotonic(), time.time(), self._cpu_seconds())
 
-    def _cpu_seconds(self) -> float:
-        times = self._process.cpu_times()
-        return times.user + times.system
+    def _cpu_seconds(self) -> dict[int, tuple[float, float]]:
+        """(CPU seconds, start time) of each live process of the server, by process id."""
+        processes = [self._own]
+        if self._launcher is not None:
+            # Gone, the launcher leaves this process to count.
+            with contextlib.suppress(psutil.Error):
+                processes = [self._launcher, *self._launcher.children(recursive=True)]
+        seconds = {}
+        for process in processes:
+            try:
+                times = process.cpu_times()
+                seconds[process.pid] = (times.user + times.system, process.create_time())
+            except psutil.Error:  # it exited meanwhile
+                continue
+        return seconds
 
     def utilization(self) -> float:
         with self._lock:
-            now, cpu = time.monotonic(), self._cpu_seconds()
-            last_t, last_cpu = self._last
-            self._last = (now, cpu)
+            now, wall, cpu = time.monotonic(), time.time(), self._cpu_seconds()
+            last_t, last_wall, last_cpu = self._last
+            self._last = (now, wall, cpu)
+        used = 0.0
+        for pid, (seconds, started) in cpu.items():
+            before = last_cpu.get(pid)
+            if before is not None and before[1] == started:
+                used += seconds - before[0]
+            elif started >= last_wall:  # started since the last reading: all of it counts
+                used += seconds
         elapsed = max(now - last_t, 1e-6)
-        return min(1.0, (cpu - last_cpu) / (elapsed * self._cores))
+        return min(1.0, max(0.0, used / (elapsed * self._cores)))
+
+
+def _process(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None
 
 
 def usable_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
@@ -139,7 +174,8 @@ class ResourceCollector(Collector):
     def collect(self):
         cpu = GaugeMetricFamily(
             "texel_process_cpu_utilization_ratio",
-            "Process CPU time since the previous scrape over wall time times usable cores (0..1).",
+            "CPU time of every process of the server (launcher, engines, HTTP processes) since "
+            "the previous scrape, over wall time times usable cores (0..1).",
         )
         cpu.add_metric([], self.cpu.utilization())
         yield cpu

@@ -118,6 +118,9 @@ class RequestTrace:
         self.model = model
         self.operation = operation
         self.timings_ms: dict[str, float] = {}
+        # Handed to an engine: its batcher counts the request if it goes unanswered
+        # (`texel_requests_rejected_total`), so the route does not count it again.
+        self.in_engine = False
         self.parent: Span = trace.get_current_span()
         self.trace_id = current_trace_id()
         self._exemplar = _exemplar(self.trace_id)
@@ -167,6 +170,19 @@ class RequestTrace:
         )
         span.end(end_time=start_ns + int(duration_s * 1e9))
         self._observe(name, duration_s)
+
+    def unanswered(self, start_ns: int, reason: str) -> None:
+        """The time since `start_ns` in an engine that gave the request no result (a full
+        queue, a deadline, a client gone, a failed batch): an `engine` span with the
+        reason as `error.type`. No histogram sample: a refusal's wait is no stage's speed."""
+        span = _tracer.start_span(
+            "engine",
+            context=trace.set_span_in_context(self.parent),
+            start_time=start_ns,
+            attributes=self._attributes({"error.type": reason}),
+        )
+        span.set_status(Status(StatusCode.ERROR, reason))
+        span.end()
 
     def _observe(self, name: str, seconds: float) -> None:
         self.timings_ms[name] = round(self.timings_ms.get(name, 0.0) + seconds * 1000, 3)

@@ -14,12 +14,14 @@ pace; tests then wait for events (`until`), and no timing assertion measures a t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
 
 import pytest
 
 from batching import (
+    CUT_OFF,
     Batcher,
     BatchFailed,
     BatchPolicy,
@@ -246,6 +248,53 @@ async def test_a_cancelled_queued_request_is_removed_before_compute():
     await busy
     await asyncio.sleep(1)  # the worker is free: anything still queued would run now
     assert model.batches == [[1]]
+    await batcher.close()
+
+
+class _Refusals:
+    """An observer that keeps the reasons the batcher counts refusals under."""
+
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+
+    @contextlib.contextmanager
+    def batch(self, batcher, worker, bucket, items):
+        yield None
+
+    def join(self, batcher, worker, bucket, items, running):
+        return None, None
+
+    def leave(self, handle):
+        pass
+
+    def queue_depth(self, batcher, depth):
+        pass
+
+    def rejected(self, batcher, reason):
+        self.reasons.append(reason)
+
+
+async def test_a_cancellation_counts_as_draining_when_the_servers_drain_cut_it_off():
+    """A caller that goes away is `cancelled`; a request the drain's time-out cut off is
+    `draining`, as its answer (503 `draining`) says."""
+    model, refusals = FakeModel(gated=True), _Refusals()
+    batcher = Batcher(
+        "fake",
+        [Worker("cpu", model)],
+        BatchPolicy(max_batch_size=1, max_wait_s=0, max_queue=64),
+        observer=refusals,
+        clock=asyncio.get_running_loop().time,
+    )
+    batcher.start()
+    running = asyncio.create_task(batcher.submit(1, bucket="a", timeout_s=5))
+    await until(model.started)
+    queued = asyncio.create_task(batcher.submit(2, bucket="a", timeout_s=5))
+    await asyncio.sleep(0)
+    queued.cancel()  # its caller went away
+    running.cancel(CUT_OFF)
+    await asyncio.wait([queued, running])
+    model.gate.set()
+    assert refusals.reasons == ["cancelled", "draining"]
     await batcher.close()
 
 

@@ -13,11 +13,12 @@ import httpx
 import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from app.launcher import single_process_app
 from app.settings import Settings
 from telemetry import add_span_processor
-from tests.conftest import formula_png
+from tests.conftest import formula_png, wait_for
 from tests.server import serving_in_thread
 
 STAGES = ["http.parse", "preprocess", "queue.wait", "generate", "tokenize", "postprocess"]
@@ -114,3 +115,65 @@ def test_untraced_routes_make_no_spans(traced_server):
     }
     assert "/recognize" in paths  # server spans do carry their route
     assert not paths & {"/livez", "/readyz", "/metrics"}, paths
+
+
+def test_a_refused_request_says_why_on_its_span(traced_server):
+    """An operator finds a failed request in the trace backend by its error code."""
+    url, exporter = traced_server
+    exporter.clear()
+    files = {"image": ("f.png", b"not a picture", "image/png")}
+    response = httpx.post(
+        url + "/recognize",
+        files=files,
+        headers={"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"},
+        timeout=60,
+    )
+    assert response.status_code == 415
+    server_span = next(
+        s
+        for s in exporter.get_finished_spans()
+        if s.parent is not None and format(s.parent.span_id, "016x") == CALLER_SPAN
+    )
+    assert server_span.attributes["texel.error.code"] == "unsupported_image"
+
+
+def test_the_time_a_request_spent_in_the_engine_for_nothing_is_a_span_with_the_reason(
+    tiny_models,
+):
+    """A client gives up on a long image: its time in the engine is in the trace as an
+    `engine` span marked with why no answer came, not missing."""
+    exporter = InMemorySpanExporter()
+    settings = Settings(
+        device="cpu",
+        formula={"enabled": False, "model": str(tiny_models["formula"])},
+        image={"model": str(tiny_models["image"]), "max_steps": 1000},
+    )
+    add_span_processor(SimpleSpanProcessor(exporter))
+    body = {"prompt": "a long one", "num_inference_steps": 1000}
+    headers = {"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"}
+    with serving_in_thread(single_process_app(settings)) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/generate", json=body, headers=headers, timeout=1.0)
+
+        def traced() -> list:
+            return [
+                s
+                for s in exporter.get_finished_spans()
+                if format(s.context.trace_id, "032x") == CALLER_TRACE
+            ]
+
+        wait_for(lambda: any(s.name == "engine" for s in traced()))
+        wait_for(
+            lambda: any(s.parent and s.parent.span_id == int(CALLER_SPAN, 16) for s in traced())
+        )
+    spans = traced()
+    server_span = next(
+        s for s in spans if s.parent is not None and format(s.parent.span_id, "016x") == CALLER_SPAN
+    )
+    assert server_span.attributes["texel.error.code"] == "client_closed_request"
+    (engine,) = [s for s in spans if s.name == "engine"]
+    assert engine.parent.span_id == server_span.context.span_id
+    assert engine.attributes["error.type"] == "cancelled"
+    assert engine.status.status_code == StatusCode.ERROR
+    assert 0.3 < (engine.end_time - engine.start_time) / 1e9 < 10
+    assert not {"queue.wait", "generate"} & {s.name for s in spans}
