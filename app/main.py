@@ -75,11 +75,14 @@ def build_app(settings: Settings, models: dict[str, Model], engines: list[Engine
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_upload_bytes=settings.max_upload_bytes)
     if settings.cors_origins:
+        # Any request header: clients add their own (OpenAI's JavaScript client sends
+        # X-Stainless-* headers, a set that changes between its versions), and the
+        # origins, not the headers, are what keeps other pages out.
         app.add_middleware(
             CORSMiddleware,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["Authorization", "Content-Type", "Accept", "traceparent", "tracestate"],
+            allow_headers=["*"],
             expose_headers=["Retry-After", "X-Texel-Seed", "X-Texel-Batch-Size"],
             max_age=600,
         )

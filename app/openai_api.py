@@ -28,6 +28,7 @@ from app.schemas import (
 )
 from app.serving import Runtime
 from app.settings import Settings
+from models.errors import InputError
 
 SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
 # /generate's fields under the names OpenAI's body gives them.
@@ -91,12 +92,25 @@ def _size(size: str | None) -> tuple[int | None, int | None]:
 
 
 def _in_openai_terms(error: dict) -> dict:
-    """A validation error of /generate's request, named by OpenAI's field."""
+    """A validation error of /generate's request, named by OpenAI's field, and saying
+    which side of `size` it is about."""
     name = str(error["loc"][0]) if error.get("loc") else ""
     renamed = OPENAI_FIELDS.get(name)
     if renamed is None:
         return error
-    return {**error, "loc": (renamed,), "msg": f"{error['msg']} (the {name})"}
+    message = f"{error['msg']} (the {name})" if renamed == "size" else error["msg"]
+    return {**error, "loc": (renamed,), "msg": message}
+
+
+def name_in_openai_terms(exc: InputError) -> None:
+    """An adapter's refusal of /generate's field, told by OpenAI's field: `param`, and the
+    message where it names the field (`size` keeps `width` or `height`: which side)."""
+    renamed = OPENAI_FIELDS.get(exc.param or "")
+    if renamed is None:
+        return
+    if renamed != "size":
+        exc.message = exc.message.replace(exc.param, renamed)
+    exc.param = renamed
 
 
 def images_response(pngs: list[bytes], seeds: tuple[int, ...]) -> ImagesResponse:

@@ -150,6 +150,12 @@ class ImagesGenerationRequest(BaseModel):
         None, description="b64_json (the default). `url` is refused: Texel stores no images."
     )
     user: str | None = Field(None, description="Accepted for compatibility; unused.")
+    # Sent by clients written for DALL-E 3 or gpt-image-1; Texel's effort is `steps`.
+    quality: str | None = Field(None, description="Accepted for compatibility; unused.")
+    style: str | None = Field(None, description="Accepted for compatibility; unused.")
+    output_format: Literal["png"] | None = Field(
+        None, description="png, the only format Texel answers (the default)."
+    )
     negative_prompt: str | None = Field(None, description="Texel extension: as on /generate.")
     steps: int | None = Field(
         None, description="Texel extension: denoising steps (/generate's num_inference_steps)."

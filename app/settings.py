@@ -386,6 +386,18 @@ class Settings(BaseSettings):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        """Each an origin as a browser sends it (`https://app.example:8443`), or `*`: one
+        copied with its path or trailing `/` would match no browser, silently."""
+        for origin in origins:
+            if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/?#\s]+", origin):
+                raise ValueError(
+                    f"{origin} is not an origin: scheme://host[:port], with no path or trailing /"
+                )
+        return origins
+
 
 class InvalidSettings(Exception):
     """Settings Texel cannot start with: `problems` holds one line per problem, each

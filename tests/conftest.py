@@ -17,6 +17,18 @@ from tests.server import ROOT, ServerProcess, free_port
 
 __all__ = ["ROOT", "ServerProcess", "free_port", "formula_png", "wait_for"]
 SHARED_DATA = Path(os.environ.get("TEXEL_DATA", ROOT.parent / "shared" / "data"))
+# What OpenAI's JavaScript client (openai 6.x, `dangerouslyAllowBrowser`) adds to each
+# request in a browser: headers a preflight must allow.
+OPENAI_JS_HEADERS = {
+    "X-Stainless-Lang": "js",
+    "X-Stainless-Package-Version": "6.49.0",
+    "X-Stainless-OS": "Unknown",
+    "X-Stainless-Arch": "unknown",
+    "X-Stainless-Runtime": "browser:chrome",
+    "X-Stainless-Runtime-Version": "140.0.0",
+    "X-Stainless-Retry-Count": "0",
+    "X-Stainless-Timeout": "600",
+}
 
 
 def formula_png(text: str = "x^2 + 1", size=(220, 48), fmt: str = "PNG") -> bytes:

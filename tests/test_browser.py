@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.backends import ensure_backend, unavailable
-from tests.conftest import ROOT
+from tests.conftest import OPENAI_JS_HEADERS, ROOT
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -262,6 +262,74 @@ def test_an_api_key_is_asked_for_after_a_401_kept_and_sent_as_bearer(browser, ti
         # Past the key check: the next answer is the disabled model's.
         expect(page.locator("#image-error")).to_contain_text("404 model_disabled")
         assert page.evaluate("localStorage.getItem('texel.apiKey')") == "sesame"
+
+
+@contextlib.contextmanager
+def frontend_origin() -> Iterator[str]:
+    """A web app's origin: a page served by a server of its own, on this machine (a page
+    on a public origin may not reach a loopback address at all, whatever Texel answers)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"<!doctype html><title>app</title><p>app</p>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Page) as site:
+        Thread(target=site.serve_forever, daemon=True).start()
+        try:
+            yield f"http://127.0.0.1:{site.server_address[1]}"
+        finally:
+            site.shutdown()
+
+
+def test_a_page_of_another_origin_generates_through_v1_as_openais_js_client_does(
+    browser, tiny_models
+):
+    from app.launcher import single_process_app
+    from app.settings import Settings
+    from tests.server import serving_in_thread
+
+    with frontend_origin() as frontend:
+        settings = Settings(
+            device="cpu",
+            api_keys=["sk-frontend"],
+            cors_origins=[frontend],
+            formula={"enabled": False, "model": str(tiny_models["formula"])},
+            image={"model": str(tiny_models["image"])},
+        )
+        with serving_in_thread(single_process_app(settings)) as url:
+            context = browser.new_context()
+            try:
+                page = context.new_page()
+                page.goto(frontend + "/")
+                answer = page.evaluate(
+                    """async ([url, extra]) => {
+                      const response = await fetch(url + "/v1/images/generations", {
+                        method: "POST",
+                        headers: {
+                          ...extra,
+                          Authorization: "Bearer sk-frontend",
+                          "Content-Type": "application/json",
+                          Accept: "application/json",
+                        },
+                        body: JSON.stringify({prompt: "a red circle", size: "32x32", steps: 1}),
+                      });
+                      return [response.status, (await response.json()).data.length];
+                    }""",
+                    [url, OPENAI_JS_HEADERS],
+                )
+            finally:
+                context.close()
+    assert answer == [200, 1]
 
 
 def test_the_page_fits_a_phone_width(browser, server):

@@ -14,6 +14,7 @@ from PIL import Image
 
 from app.launcher import single_process_app
 from app.settings import Settings
+from tests.conftest import OPENAI_JS_HEADERS
 from tests.server import serving_in_thread
 
 PROMPT = "a red circle on a blue background"
@@ -149,6 +150,42 @@ def test_the_url_response_format_is_refused_400_saying_texel_stores_no_images(cl
     assert "b64_json" in error["message"] and "stores no images" in error["message"]
 
 
+def test_the_quality_and_style_clients_written_for_dall_e_send_change_nothing(client):
+    params = {"seed": 9, "steps": 1}
+    plain = client.images.generate(prompt=PROMPT, extra_body=params).data[0].b64_json
+    dall_e = client.images.generate(
+        prompt=PROMPT, quality="hd", style="vivid", output_format="png", extra_body=params
+    )
+    assert dall_e.data[0].b64_json == plain
+
+
+def test_an_output_format_other_than_png_is_refused_naming_it(client):
+    with pytest.raises(openai.UnprocessableEntityError) as raised:
+        client.images.generate(prompt=PROMPT, output_format="jpeg")
+    error = openai_error(raised.value)
+    assert error["param"] == "output_format" and "'png'" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "texel_name"), [("n", 5, "num_images"), ("steps", 5000, "inference")]
+)
+def test_a_refused_field_is_told_in_openais_terms_only(server, field, value, texel_name):
+    response = httpx.post(
+        server.url + "/v1/images/generations", json={"prompt": PROMPT, field: value}, timeout=60
+    )
+    error = response.json()["error"]
+    assert response.status_code == 422 and error["param"] == field
+    assert error["message"].startswith(f"{field}: ") and texel_name not in error["message"]
+
+
+def test_steps_over_the_servers_largest_are_refused_naming_steps(client):
+    with pytest.raises(openai.UnprocessableEntityError) as raised:
+        client.images.generate(prompt=PROMPT, extra_body={"steps": 500})
+    error = openai_error(raised.value)
+    assert error["param"] == "steps", error
+    assert error["message"] == "steps must be at most 100", error
+
+
 def test_a_prompt_longer_than_the_text_encoder_reads_is_refused_422(client):
     with pytest.raises(openai.UnprocessableEntityError) as raised:
         client.images.generate(prompt="a red circle " * 40)
@@ -215,16 +252,34 @@ def in_process(settings: Settings):
     return serving_in_thread(single_process_app(settings))
 
 
+FRONTEND = "https://frontend.example"
+# The headers OpenAI's JavaScript client sends from a browser, as its preflight asks
+# for them.
+OPENAI_JS_REQUEST = {
+    "Authorization": "Bearer sk-texel-test",
+    "Content-Type": "application/json",
+    "Accept": "application/json",
+    **OPENAI_JS_HEADERS,
+}
+
+
 @pytest.fixture(scope="module")
 def keyed(tiny_models):
     settings = Settings(
         device="cpu",
         api_keys=["sk-texel-test"],
+        cors_origins=[FRONTEND],
         formula={"enabled": False, "model": str(tiny_models["formula"])},
-        image={"model": str(tiny_models["image"])},
+        # Named as a model from the hub is by default: `org/name`.
+        image={"model": str(tiny_models["image"]), "name": "acme/texel-image"},
     )
     with in_process(settings) as url:
         yield url
+
+
+def test_a_model_named_org_slash_name_is_retrieved_by_that_name(keyed):
+    card = client_of(keyed, api_key="sk-texel-test").models.retrieve("acme/texel-image")
+    assert card.id == "acme/texel-image"
 
 
 def test_a_wrong_api_key_raises_authentication_error_in_openai_shape(keyed):
@@ -244,3 +299,26 @@ def test_the_right_api_key_generates(keyed):
         prompt=PROMPT, extra_body={"steps": 1}
     )
     assert decoded(answer.data[0]).size == (32, 32)
+
+
+def test_a_page_of_an_allowed_origin_may_send_the_headers_of_openais_js_client(keyed):
+    asked = ",".join(sorted(name.lower() for name in OPENAI_JS_REQUEST))
+    preflight = httpx.options(
+        keyed + "/v1/images/generations",
+        headers={
+            "Origin": FRONTEND,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": asked,
+        },
+    )
+    assert preflight.status_code == 200, preflight.text
+    assert preflight.headers["access-control-allow-origin"] == FRONTEND
+    allowed = preflight.headers["access-control-allow-headers"].lower().split(",")
+    assert set(asked.split(",")) <= {name.strip() for name in allowed}
+    answer = httpx.post(
+        keyed + "/v1/images/generations",
+        headers={**OPENAI_JS_REQUEST, "Origin": FRONTEND},
+        json={"prompt": PROMPT, "steps": 1},
+        timeout=60,
+    )
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == FRONTEND

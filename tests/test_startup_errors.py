@@ -50,6 +50,11 @@ def texel_serve(*args: str, **env: str) -> subprocess.CompletedProcess:
             "TEXEL_LOG_LEVEL=LOUD: should be 'DEBUG', 'INFO', 'WARNING', 'ERROR' or 'CRITICAL'",
         ),
         ({"TEXEL_BOGUS": "1"}, "TEXEL_BOGUS: no such setting"),
+        (  # copied from the address bar: it would match no browser's Origin
+            {"TEXEL_CORS_ORIGINS": "https://app.example/"},
+            "TEXEL_CORS_ORIGINS=https://app.example/: https://app.example/ is not an origin: "
+            "scheme://host[:port], with no path or trailing /",
+        ),
         (
             {"TEXEL_FORMULA__MAX_BATCHSIZE": "2"},
             "TEXEL_FORMULA__MAX_BATCHSIZE: no such setting; "
@@ -81,6 +86,7 @@ def texel_serve(*args: str, **env: str) -> subprocess.CompletedProcess:
         "out-of-range",
         "log-level",
         "unknown",
+        "origin",
         "misspelt",
         "model",
         "not-a-model",

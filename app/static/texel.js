@@ -69,6 +69,7 @@ const BY_CODE = {
   draining: "The server is shutting down.",
   unavailable: "The server is unavailable.",
   engine_unavailable: "The server's engine is unavailable.",
+  stalled: "The server's device has stopped making progress; try again later.",
   deadline_exceeded: "Timed out: the server did not finish before the request's deadline.",
   batch_failed: "The server failed on the batch this request was in; try again.",
   internal_error: "The server failed (a bug); see the server log.",
