@@ -1,4 +1,5 @@
-# Texel on a CUDA machine: `docker build -t texel . && docker run --gpus all -p 8000:8000 texel`
+# Texel on a CUDA machine: `docker build -t texel . && docker run --gpus all -p 8000:8000 --stop-timeout 50 texel`
+# (--stop-timeout: Docker's default 10 s before SIGKILL is shorter than Texel's drain).
 ARG CUDA_IMAGE=nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04
 
 FROM ${CUDA_IMAGE} AS build
@@ -9,8 +10,8 @@ RUN apt-get update \
 RUN python3 -m venv /opt/texel
 ENV PATH=/opt/texel/bin:$PATH
 WORKDIR /src
-# Dependencies first, so code changes do not reinstall torch.
-COPY pyproject.toml README.md ./
+# Dependencies first, so code and README changes do not reinstall torch.
+COPY pyproject.toml ./
 RUN python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' > /tmp/requirements.txt \
  && pip install --upgrade pip && pip install torch && pip install -r /tmp/requirements.txt
 COPY app ./app
@@ -18,6 +19,7 @@ COPY batching ./batching
 COPY engine ./engine
 COPY models ./models
 COPY telemetry ./telemetry
+COPY README.md ./
 RUN pip install --no-deps .
 
 FROM ${CUDA_IMAGE}

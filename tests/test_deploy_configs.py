@@ -132,6 +132,82 @@ def test_the_image_installs_every_package_texel_ships():
     assert shipped == copied
 
 
+def image_environment() -> dict[str, str]:
+    """The `TEXEL_` variables the image's last stage sets with ENV."""
+    last_stage = (ROOT / "Dockerfile").read_text().rsplit("\nFROM ", 1)[1]
+    return dict(re.findall(r"\b(TEXEL_\w+)=(\S+)", last_stage))
+
+
+def compose_seconds(duration: str) -> float:
+    """A compose duration (`50s`, `1m30s`) in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", duration)
+    assert "".join(number + unit for number, unit in parts) == duration, duration
+    return sum(float(number) * units[unit] for number, unit in parts)
+
+
+def test_compose_gives_texel_its_shutdown_before_docker_kills_it(monkeypatch):
+    """`docker compose stop`/`down` sends SIGKILL after the service's stop_grace_period,
+    10 s when unset: shorter than Texel's shutdown, it cuts the drain short."""
+    texel = load_yaml(COMPOSE / "docker-compose.yml")["services"]["texel"]
+    settings = settings_from({**image_environment(), **texel["environment"]}, monkeypatch)
+    assert compose_seconds(texel.get("stop_grace_period", "10s")) > shutdown_limit_s(settings)
+
+
+def dockerignore_pattern(pattern: str) -> re.Pattern:
+    """A .dockerignore pattern as Docker matches it: `*` and `?` within a path segment,
+    `**` across segments, rooted at the context."""
+    regex = ""
+    for token in re.split(r"(\*\*/|\*\*|\*|\?)", pattern.strip("/")):
+        regex += {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}.get(
+            token, re.escape(token)
+        )
+    return re.compile(regex)
+
+
+def in_build_context(path: str) -> bool:
+    """Whether `docker build` sends the file or folder `path` (relative to the context):
+    the last .dockerignore pattern that matches it or a folder above it decides, `!`
+    patterns putting back what earlier ones left out."""
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    parts = path.split("/")
+    included = True
+    for pattern in patterns:
+        regex = dockerignore_pattern(pattern.removeprefix("!"))
+        if any(regex.fullmatch("/".join(parts[:i])) for i in range(1, len(parts) + 1)):
+            included = pattern.startswith("!")
+    return included
+
+
+def dockerfile_copy_sources() -> set[str]:
+    """What the Dockerfile copies from the build context (not from another stage)."""
+    sources = set()
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if line.startswith("COPY ") and "--from=" not in line:
+            *copied, _destination = line.split()[1:]
+            sources.update(copied)
+    return sources
+
+
+def test_the_build_context_is_what_the_dockerfile_copies():
+    """Every file the image copies reaches the builder (a package's weights and page
+    assets too), and nothing else does: no virtual environment, cache or scratch folder
+    of the checkout is uploaded or can end up in the image."""
+    copied = dockerfile_copy_sources()
+    assert copied >= {"pyproject.toml", "README.md", "app", "models"}
+    sent = {entry.name for entry in ROOT.iterdir() if in_build_context(entry.name)}
+    assert sent == copied
+    for source in sorted(copied):
+        files = [ROOT / source] if (ROOT / source).is_file() else (ROOT / source).rglob("*")
+        for path in files:
+            relative = path.relative_to(ROOT).as_posix()
+            if path.is_file() and "__pycache__" not in path.parts:
+                assert in_build_context(relative), relative
+            if path.name == "__pycache__":
+                assert not in_build_context(relative), relative
+
+
 def test_prometheus_config_passes_promtool(promtool):
     result = subprocess.run(
         [str(promtool), "check", "config", str(COMPOSE / "prometheus.yml")],
@@ -409,15 +485,21 @@ def test_the_probes_watch_livez_for_life_and_readyz_for_traffic():
         assert container[probe]["httpGet"]["port"] in ports
 
 
-def manifest_settings(monkeypatch):
-    """Texel's settings as the pod's environment gives them (validated as at start)."""
+def settings_from(environment: dict[str, str], monkeypatch):
+    """Texel's settings as this environment gives them (validated as at start)."""
     from app.settings import Settings
 
     for name in [n for n in os.environ if n.startswith("TEXEL_")]:
         monkeypatch.delenv(name)
-    for name, value in texel_env(kustomize(KUBERNETES)).items():
-        monkeypatch.setenv(name, value)
+    for name, value in environment.items():
+        if name.startswith("TEXEL_"):
+            monkeypatch.setenv(name, str(value))
     return Settings(_env_file=None)
+
+
+def manifest_settings(monkeypatch):
+    """Texel's settings as the pod's environment gives them (validated as at start)."""
+    return settings_from(texel_env(kustomize(KUBERNETES)), monkeypatch)
 
 
 def test_the_termination_grace_period_covers_the_shutdown_grace_and_the_drain(monkeypatch):
