@@ -7,6 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
+from models.formula.style import canonical_latex
 from training.formula.data import is_dev
 from training.formula.evaluate import (
     auroc,
@@ -28,6 +29,30 @@ from training.formula.tokenizer import (
 def test_latex_tokens_keep_commands_and_escapes_whole():
     assert latex_tokens(r"\frac{1}{2}") == [r"\frac", "{", "1", "}", "{", "2", "}"]
     assert latex_tokens(r"\{ a \} \\ \,x") == [r"\{", "a", r"\}", r"\\", r"\,", "x"]
+
+
+def test_texels_style_writes_each_latex_alias_one_way():
+    assert canonical_latex(r"a \to b \ge \lbrace c \rbrace") == r"a \rightarrow b \geq \{ c \}"
+    # A delimiter joined to \left or \right keeps its side.
+    assert canonical_latex(r"\left\vert x \right\Vert") == r"\left| x \right\|"
+    # Alike on the page but spaced differently, or drawn differently: not aliases.
+    assert (
+        canonical_latex(r"\mid \perp \bot \geqslant \ldots") == r"\mid \perp \bot \geqslant \ldots"
+    )
+
+
+def test_an_answer_that_spells_an_alias_otherwise_scores_as_its_reference():
+    """A picture of `\to` is a picture of `\rightarrow`: choosing either is not an error."""
+    same = score([r"f : A \to B ^ { \dag }"], [r"f : A \rightarrow B ^ { \dagger }"])
+    assert (same.exact_match, same.edit_distance) == (1.0, 0.0)
+    assert score([r"a \mid b"], [r"a | b"]).exact_match == 0.0
+
+
+def test_training_labels_are_written_in_texels_style():
+    tokenizer = build_tokenizer(build_vocabulary([r"a \to \rightarrow b"]))
+    assert encode_formula(tokenizer, r"a \to b", 16) == encode_formula(
+        tokenizer, r"a \rightarrow b", 16
+    )
 
 
 def test_latex_tokens_ignore_whitespace():
@@ -162,3 +187,13 @@ def test_rendered_identically_counts_what_a_reader_sees():
     ]
     assert rendered_identically(references, answers) == (3, 5)
     assert score(references, answers).exact_match == pytest.approx(1 / 6)
+
+
+def test_the_servers_answers_are_written_in_texels_style():
+    from models.formula.adapter import FormulaRecognizer, FormulaTokens
+    from tests.conftest import ROOT
+
+    recognizer = FormulaRecognizer(str(ROOT / "models" / "formula" / "default"), [])
+    recognizer.open()
+    ids = recognizer.tokenizer.convert_tokens_to_ids(["a", r"\to", r"\left\vert", "b"])
+    assert recognizer.detokenize(FormulaTokens(ids, 0.0)).latex == r"a \rightarrow \left| b"

@@ -49,6 +49,7 @@ from models.formula.preprocess import (
     pad_strips,
     png_pixels,
 )
+from models.formula.style import canonical_latex, compact_latex
 from telemetry import metrics
 
 log = logging.getLogger(__name__)
@@ -290,14 +291,15 @@ class FormulaRecognizer(Model):
         return str(device) in self._decoders
 
     def detokenize(self, tokens: FormulaTokens) -> Recognized:
-        """Token ids to normalized, space-separated LaTeX (the `tokenize` stage)."""
+        """Token ids to LaTeX in Texel's style (`models.formula.style`; the `tokenize`
+        stage)."""
         with self._tokenizer_lock:  # fast tokenizers are not safe to share across threads
             text = self.tokenizer.decode(tokens.token_ids, skip_special_tokens=True)
         metrics.OUTPUT_TOKENS.labels(self.name).observe(len(tokens.token_ids))
         if tokens.confidence is not None:
             metrics.CONFIDENCE.labels(self.name).observe(tokens.confidence)
         metrics.TIME_PER_OUTPUT_TOKEN.labels(self.name).observe(tokens.decode_s)
-        return Recognized(" ".join(text.split()), len(tokens.token_ids), "", tokens.confidence)
+        return Recognized(canonical_latex(text), len(tokens.token_ids), "", tokens.confidence)
 
     def finish(self, recognized: Recognized) -> Recognized:
         """The compact form beside the spaced one (the `postprocess` stage)."""
@@ -609,14 +611,3 @@ class _PinnedBuffers:
         self._copied[self._turn] = copied
         self._turn = (self._turn + 1) % len(self._buffers)
         return copied
-
-
-def compact_latex(latex: str) -> str:
-    """Drop the token-separating spaces except where LaTeX needs them (`\\alpha x`)."""
-    tokens = latex.split()
-    out = []
-    for token in tokens:
-        if out and out[-1][-1:].isalpha() and out[-1].startswith("\\") and token[:1].isalpha():
-            out.append(" ")
-        out.append(token)
-    return "".join(out)

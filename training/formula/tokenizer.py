@@ -24,6 +24,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from models.formula.style import ALIASES, canonical_latex
+
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 
@@ -31,8 +33,9 @@ _METRIC_TOKEN = re.compile(r"\\[A-Za-z]+|\\.|\S")
 
 
 def latex_tokens(text: str) -> list[str]:
-    """Split LaTeX into commands (`\\alpha`), escaped symbols (`\\{`) and single characters."""
-    return _METRIC_TOKEN.findall(text)
+    """Split LaTeX into commands (`\\alpha`), escaped symbols (`\\{`) and single characters,
+    each alias in Texel's spelling (`models.formula.style`): what the scores compare."""
+    return [ALIASES.get(token, token) for token in _METRIC_TOKEN.findall(text)]
 
 
 def normalize_spacing(text: str) -> str:
@@ -145,7 +148,7 @@ def model_tokens(tokenizer: PreTrainedTokenizerFast, formula: str) -> list[str]:
 def encode_formula(tokenizer: PreTrainedTokenizerFast, formula: str, max_length: int) -> list[int]:
     """Token ids of `formula` (`model_tokens`) followed by EOS, or [] when it is longer
     than `max_length`."""
-    ids = tokenizer.convert_tokens_to_ids(model_tokens(tokenizer, formula))
+    ids = tokenizer.convert_tokens_to_ids(model_tokens(tokenizer, canonical_latex(formula)))
     if len(ids) + 1 > max_length:
         return []
     return [*ids, tokenizer.eos_token_id]
