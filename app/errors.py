@@ -209,5 +209,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
+        # repr: the path is the client's, decoded, and may hold line breaks
+        log.exception("unhandled error on %r", request.url.path)
         return error_response(to_api_error(exc), request.url.path)

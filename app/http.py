@@ -27,13 +27,22 @@ from app.errors import (
 from app.schemas import RecognizeJSON
 
 MULTIPART_OVERHEAD = 64 * 1024
-URL_SAFE = str.maketrans("-_", "+/")  # base64url's two letters, in the standard alphabet
+# Errors of a JSON body named one by one in its 422; past this many (a body of a
+# million unknown fields) they are counted instead: listing them took seconds of the
+# event loop and answered several times the body's size.
+MAX_LISTED_ERRORS = 20
+URL_SAFE = bytes.maketrans(b"-_", b"+/")  # base64url's two letters, in the standard alphabet
+WHITESPACE = b" \t\n\r\x0b\x0c"
 Schema = TypeVar("Schema", bound=BaseModel)
 
 
-def body_limit(content_type: str, max_upload_bytes: int) -> int:
+def body_limit(content_type: str, max_upload_bytes: int, path: str) -> int:
     """Largest acceptable body: base64 in JSON (any body but multipart or a raw image is
-    read as JSON) inflates an upload by 4/3."""
+    read as JSON) inflates an upload by 4/3. Only /recognize takes an image; the bodies
+    of the other routes (a prompt and its parameters, a few KiB) get the envelope's
+    allowance alone, so that none can make a process read and parse megabytes."""
+    if not path.rstrip("/").endswith("/recognize"):
+        return MULTIPART_OVERHEAD
     if _is_raw_image(_media_type(content_type)):
         return max_upload_bytes
     if content_type.startswith("multipart/"):
@@ -65,7 +74,7 @@ class BodySizeLimit:
             await self.app(scope, receive, send)
             return
         content_type = headers.get(b"content-type", b"").decode("latin-1").lower()
-        limit = body_limit(content_type, self.max_upload_bytes)
+        limit = body_limit(content_type, self.max_upload_bytes, scope["path"])
         # The app factory passes the upload limit only; the timeout is the app's setting.
         timeout_s = scope["app"].state.runtime.settings.request_timeout_s
         deadline = asyncio.get_running_loop().time() + timeout_s
@@ -101,15 +110,42 @@ class BodySizeLimit:
         await self.app(scope, bounded_receive, closing_send)
 
 
+class NoSniff:
+    """`X-Content-Type-Options: nosniff` on every answer: a browser takes a body as the
+    type it is sent as (JSON, a PNG, events), never as a page or a script it guessed
+    from bytes a client chose (an echoed field, a prompt, a model's LaTeX)."""
+
+    HEADER = (b"x-content-type-options", b"nosniff")
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_nosniff(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self.HEADER]}
+            await send(message)
+
+        await self.app(scope, receive, send_nosniff)
+
+
 def check_api_key(request: Request, keys: list[str]) -> None:
     """With keys configured, require `Authorization: Bearer <key>`. The header is
-    compared as the bytes that came, whatever they are."""
+    compared as the bytes that came, whatever they are. An empty key (`["", "k"]` in the
+    JSON form of the setting, or a variable that was not set) opens nothing: an empty
+    token is never a key."""
     if not keys:
         return
     raw = request.headers.get("authorization", "").encode("latin-1")
     scheme, _, token = raw.partition(b" ")
-    if scheme.lower() == b"bearer" and any(
-        secrets.compare_digest(token, key.encode()) for key in keys
+    if (
+        scheme.lower() == b"bearer"
+        and token
+        and any(secrets.compare_digest(token, key.encode()) for key in keys)
     ):
         return
     raise ApiError(
@@ -184,6 +220,14 @@ def _parse_json(body: bytes, schema: type[Schema]) -> Schema:
     try:
         return schema.model_validate_json(body)
     except ValidationError as exc:
+        if exc.error_count() > MAX_LISTED_ERRORS:
+            fields = ", ".join(schema.model_fields)
+            raise ApiError(
+                422,
+                "invalid_parameter",
+                f"{exc.error_count()} fields of the body are unknown or invalid; "
+                f"send only these fields: {fields}",
+            ) from None
         errors = exc.errors()
         first = errors[0]
         if first["type"] == "json_invalid":
@@ -237,10 +281,12 @@ def _decode_base64(encoded: str) -> bytes:
     the `base64` command writes it), or a browser's data URL."""
     if encoded.startswith("data:"):
         encoded = encoded.partition(",")[2]
-    encoded = "".join(encoded.split()).translate(URL_SAFE).rstrip("=")
     try:
-        return base64.b64decode(encoded + "=" * (-len(encoded) % 4), validate=True)
-    except (binascii.Error, ValueError):
+        # In one pass over bytes: splitting the string at its whitespace made an object of
+        # each piece, 20 times the body's memory for base64 spaced every few letters.
+        raw = encoded.encode("ascii").translate(URL_SAFE, WHITESPACE).rstrip(b"=")
+        return base64.b64decode(raw + b"=" * (-len(raw) % 4), validate=True)
+    except (binascii.Error, ValueError):  # UnicodeEncodeError included: base64 is ASCII
         raise malformed("image_base64 is not valid base64") from None
 
 

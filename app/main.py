@@ -13,7 +13,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from app.errors import install_error_handlers
-from app.http import BodySizeLimit
+from app.http import BodySizeLimit, NoSniff
 from app.routes import router
 from app.serving import Runtime
 from app.settings import Settings
@@ -28,20 +28,32 @@ UNTRACED_ROUTES = "livez,readyz,metrics,static/"
 # work offline. URLs are relative, so they also work behind a path prefix.
 STATIC = Path(__file__).resolve().parent / "static"
 SWAGGER_UI = "static/vendor/swagger-ui"
+# The page keeps an API key in its origin's storage and shows LaTeX that a picture can
+# make the model write: it runs only its own scripts (none inline), and no other site
+# frames it. KaTeX styles its output inline; generated images are blob: URLs.
+PAGE_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' blob: data:; font-src 'self'; connect-src 'self'; object-src 'none'; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+# Swagger UI starts from an inline script: the reference is kept from frames only.
+DOCS_POLICY = "frame-ancestors 'none'"
 
 
 async def page(request: Request) -> FileResponse:
-    return FileResponse(STATIC / "index.html")
+    return FileResponse(STATIC / "index.html", headers={"Content-Security-Policy": PAGE_POLICY})
 
 
 async def swagger_ui(request: Request) -> HTMLResponse:
-    return get_swagger_ui_html(
+    response = get_swagger_ui_html(
         openapi_url="openapi.json",
         title="Texel - API reference",
         swagger_js_url=f"{SWAGGER_UI}/swagger-ui-bundle.js",
         swagger_css_url=f"{SWAGGER_UI}/swagger-ui.css",
         swagger_favicon_url="static/favicon.svg",
     )
+    response.headers["Content-Security-Policy"] = DOCS_POLICY
+    return response
 
 
 def build_app(settings: Settings, models: dict[str, Model], engines: list[EngineClient]) -> FastAPI:
@@ -86,6 +98,7 @@ def build_app(settings: Settings, models: dict[str, Model], engines: list[Engine
             expose_headers=["Retry-After", "X-Texel-Seed", "X-Texel-Batch-Size"],
             max_age=600,
         )
+    app.add_middleware(NoSniff)  # outermost: on every answer, refusals and preflights too
     # A batch span links its requests; an unset batch size defaults to at most 128,
     # which setup_tracing allows anyway.
     max_batch = max((e.max_batch_size or 0 for e in settings.models().values()), default=0)

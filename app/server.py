@@ -108,6 +108,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._head_bytes = 0  # the head's bytes the parser has read
         self._head_fields = 0
         self._refusal: ApiError | None = None
+        self._blank_lines = False  # the head timer runs for blank lines, no request yet
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -127,17 +128,34 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
+        if self.transport.is_closing():
+            return
+        if self._head_timer is None and self._between_requests():
+            # Bytes that begin no request (the blank lines HTTP lets a client send before
+            # one) stopped uvicorn's keep-alive timer and start no head: without a timer
+            # here, a connection that sent "\r\n" once would stay open for ever.
+            self._blank_lines = True
+            self._start_head_timer()
         # A head still arriving: the parser buffers an unfinished header, so its bytes
         # are counted as they come (a head that arrives whole is counted by the parser's
         # callbacks below).
-        if self._head_timer is not None and not self.transport.is_closing():
+        if self._head_timer is not None:
             self._head_received += len(data)
             if self._head_received > MAX_HEAD_BYTES:
                 self._refuse(headers_too_large(MAX_HEAD_BYTES, MAX_HEADERS))
 
+    def _between_requests(self) -> bool:
+        """No request is being read or answered on this connection."""
+        return not self.pipeline and (self.cycle is None or self.cycle.response_complete)
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._blank_lines = False
         self._head_received = self._head_bytes = self._head_fields = 0
+        if self._head_timer is None:  # else blank lines came first: the head began with them
+            self._start_head_timer()
+
+    def _start_head_timer(self) -> None:
         self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
 
     def on_url(self, url: bytes) -> None:
@@ -170,6 +188,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
+        if self._blank_lines:  # no request began: closed as an idle connection is
+            self.transport.close()
+            return
         self._refuse(request_timeout(self.head_timeout_s))
 
     def _head_done(self) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import os
 import re
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -96,6 +97,15 @@ def answered(tab: Tab, meta: str = "#formula-meta") -> None:
     expect(tab.page.locator(meta)).to_have_text(ANSWERED, timeout=60_000)
 
 
+def wait_until(page, expression: str, timeout_s: float = 60) -> None:
+    """Poll `expression` in the page until it is true: Playwright's `wait_for_function`
+    evaluates a string in the page, which the page's Content-Security-Policy refuses."""
+    deadline = time.monotonic() + timeout_s
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"not true within {timeout_s} s: {expression}"
+        page.wait_for_timeout(50)
+
+
 def test_the_page_loads_its_script_styles_and_math_fonts_from_texel_itself(tab):
     page = tab.page
     tab.open()
@@ -170,9 +180,7 @@ def test_a_generated_image_is_shown_decoded_with_a_download_link(tab):
     page.fill("#prompt", "a red circle")
     page.fill("#seed", "7")
     page.click("#generate")
-    page.wait_for_function(
-        "document.querySelector('img.generated')?.naturalWidth > 0", timeout=60_000
-    )
+    wait_until(page, "document.querySelector('img.generated')?.naturalWidth > 0")
     with page.expect_download() as download:
         page.click("#images a[download]")
     png = download.value.path().read_bytes()
@@ -195,10 +203,10 @@ def test_the_progress_bar_follows_the_denoising_steps_of_the_image(tab):
     page.click("#generate")
     expect(progress).to_be_visible()
     # The bar takes the step count from the streamed progress events.
-    page.wait_for_function(
+    wait_until(
+        page,
         "document.querySelector('#image-progress-bar').max === 40"
         " && document.querySelector('#image-progress-bar').value > 0",
-        timeout=60_000,
     )
     expect(page.locator("#image-progress-text")).to_contain_text("of 40")
     expect(progress).to_be_hidden(timeout=60_000)
@@ -347,6 +355,28 @@ def test_every_control_of_the_page_has_a_label(tab):
     assert unlabelled == []
 
 
+def test_markup_that_reached_the_page_could_not_run_script(tab):
+    """The page shows LaTeX that a picture can make the model write, and keeps an API
+    key: KaTeX renders a link or picture command as text, and were any text ever taken
+    as markup, the page's Content-Security-Policy keeps its handlers and `javascript:`
+    links from running."""
+    page = tab.page
+    tab.open()
+    violations = []
+    page.on("console", lambda message: violations.append(message.text))
+    page.fill("#latex", r"\href{javascript:window.ran=1}{x} \url{javascript:1} \includegraphics{x}")
+    assert page.locator("#preview a, #preview img").count() == 0
+    page.evaluate(
+        """() => document.getElementById('preview').insertAdjacentHTML('beforeend',
+        '<img src="missing.png" onerror="window.ran = 1">'
+        + '<a id="evil" href="javascript:window.ran = 1">x</a>')"""
+    )
+    page.click("#evil")
+    page.wait_for_timeout(500)
+    assert page.evaluate("window.ran") is None
+    assert any("Content Security Policy" in text for text in violations), violations
+
+
 def test_docs_render_offline_from_the_packaged_swagger_ui(tab):
     from playwright.sync_api import expect
 
@@ -370,7 +400,7 @@ def test_a_screenshot_of_the_page_in_use_is_saved_for_the_readme(tab, tmp_path):
     page.fill("#seed", "1")
     page.click("#generate")
     answered(tab, "#image-status")
-    page.wait_for_function("document.querySelector('img.generated')?.naturalWidth > 0")
+    wait_until(page, "document.querySelector('img.generated')?.naturalWidth > 0")
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 10_000
     assert "docs/screenshot.png" in (ROOT / "README.md").read_text() and SCREENSHOT.exists()

@@ -148,13 +148,47 @@ def test_a_chunked_json_upload_over_the_limit_gets_413(hostile):
 
 
 def test_deeply_nested_json_gets_a_clear_400_on_both_routes(hostile):
-    deep = b"[" * 100_000 + b"]" * 100_000
+    deep = b"[" * 30_000 + b"]" * 30_000  # within every route's body limit
     with hostile.client(headers=AUTH) as client:
         for path in ("/recognize", "/generate"):
             response = client.post(path, content=deep, headers={"Content-Type": "application/json"})
             assert response.status_code == 400, (path, response.text)
             assert response.json()["error"]["code"] == "malformed_request"
             assert "JSON" in response.json()["error"]["message"]
+
+
+def test_a_body_of_many_unknown_fields_gets_a_short_422_on_every_route(hostile):
+    """Listing each of 5,000 unknown fields took the event loop's time and answered
+    several times the body's size; the answer counts them instead."""
+    fields = ",".join(f'"f{i}":0' for i in range(5_000))
+    bodies = {
+        "/recognize": '{"image_base64":"AA",' + fields + "}",
+        "/generate": '{"prompt":"a red circle",' + fields + "}",
+        "/v1/images/generations": '{"prompt":"a red circle",' + fields + "}",
+    }
+    with hostile.client(headers=AUTH) as client:
+        for path, body in bodies.items():
+            assert len(body) < 64 * 1024  # within every route's body limit: parsed
+            response = client.post(path, content=body, headers={"Content-Type": "application/json"})
+            assert response.status_code == 422, (path, response.text[:200])
+            assert response.json()["error"]["code"] == "invalid_parameter"
+            assert len(response.content) < 1000, (path, len(response.content))
+            assert "5000 fields" in response.json()["error"]["message"]
+        # A few are still named one by one.
+        body = {"prompt": "a red circle", "width": "64", "colour": "red"}
+        message = client.post("/generate", json=body).json()["error"]["message"]
+        assert "width" in message and "colour" in message
+
+
+def test_a_body_of_an_image_route_only_may_be_the_size_of_an_image(hostile):
+    """/generate and /v1/images/generations take a prompt and a few numbers: a body of
+    megabytes there is refused from its size, not read and parsed."""
+    body = {"prompt": "a red circle", "negative_prompt": "x" * (UPLOAD_LIMIT // 2)}
+    with hostile.client(headers=AUTH) as client:
+        for path in ("/generate", "/v1/images/generations"):
+            response = client.post(path, json=body)
+            assert response.status_code == 413, (path, response.text[:200])
+            assert response.json()["error"]["code"] == "payload_too_large"
 
 
 # -- odd bytes in the Authorization header ------------------------------------------
@@ -224,6 +258,21 @@ def test_a_head_that_trickles_in_is_answered_408_and_closed_at_the_request_timeo
         assert answer.status == 408 and answer.code() == "request_timeout"
         assert time.monotonic() - started < REQUEST_TIMEOUT_S + 1.5
         assert closed_by_server(sock, within_s=2)
+
+
+@pytest.mark.parametrize("after_a_request", [False, True], ids=["new", "kept alive"])
+def test_blank_lines_without_a_request_do_not_hold_a_connection_open(hostile, after_a_request):
+    """HTTP lets a client send blank lines before a request; a connection that sends
+    one and nothing more is closed at the request timeout, as a head that never ends
+    is, and cannot take one of the server's connections for ever."""
+    with connect(hostile) as sock:
+        if after_a_request:  # blank lines before a request are still taken
+            sock.sendall(b"\r\n\r\n" + head("GET", "/livez", {}))
+            assert read_answer(sock).status == 200
+        sock.sendall(b"\r\n")
+        started = time.monotonic()
+        assert closed_by_server(sock, within_s=REQUEST_TIMEOUT_S + 3)
+        assert time.monotonic() - started < REQUEST_TIMEOUT_S + 1.5
 
 
 def test_an_answer_given_before_the_body_is_read_closes_the_connection(hostile):

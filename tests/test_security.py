@@ -1,0 +1,76 @@
+"""What a client on the network can reach on a real server with API keys: which routes a
+key guards, that an empty key opens nothing, and the headers that keep browsers from
+reading Texel's answers as something else."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import ServerProcess
+
+KEY = "security-suite-key"
+GUARDED = [
+    ("POST", "/recognize"),
+    ("POST", "/generate"),
+    ("POST", "/v1/images/generations"),
+    ("GET", "/v1/models"),
+    ("GET", "/debug/bottleneck?window_s=0.5"),
+]
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_env) -> Iterator[ServerProcess]:
+    """A server whose key list holds an empty entry, as the JSON form of the setting
+    does when one of the variables a deployment writes into it is unset. Keys are
+    checked before readiness, so the models need not have loaded."""
+    proc = ServerProcess(
+        {**tiny_env, "TEXEL_API_KEYS": f'["{KEY}", ""]', "TEXEL_IMAGE__ENABLED": "false"},
+        wait_ready=False,
+    )
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.parametrize("authorization", ["Bearer", "bearer"])
+def test_an_empty_bearer_token_is_refused_even_with_an_empty_key_configured(keyed, authorization):
+    with keyed.client(headers={"Authorization": authorization}) as client:
+        for method, path in GUARDED:
+            response = client.request(method, path, json={})
+            assert response.status_code == 401, (path, response.text)
+            assert response.headers["www-authenticate"] == "Bearer"
+    with keyed.client(headers={"Authorization": f"Bearer {KEY}"}) as client:  # the real key
+        assert client.get("/debug/bottleneck?window_s=0.5").status_code == 200
+        assert client.post("/recognize", json={}).status_code != 401
+
+
+def test_every_answer_tells_browsers_not_to_sniff_its_type(keyed):
+    with keyed.client() as client:
+        answers = [
+            client.get("/"),
+            client.get("/static/texel.js"),
+            client.get("/livez"),
+            client.get("/metrics"),
+            client.get("/no-such-route"),
+            client.post("/recognize", json={}),  # 401
+        ]
+    for answer in answers:
+        assert answer.headers.get("x-content-type-options") == "nosniff", answer.request.url
+    # A body refused by its Content-Length, before the app reads it.
+    with socket.create_connection(("127.0.0.1", keyed.port), timeout=10) as sock:
+        sock.sendall(b"POST /recognize HTTP/1.1\r\nHost: t\r\nContent-Length: 99999999\r\n\r\n")
+        head = sock.recv(65536).split(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 413")
+    assert b"x-content-type-options: nosniff" in head
+
+
+def test_the_page_runs_only_its_own_scripts_and_is_not_framed(keyed):
+    policy = httpx.get(keyed.url + "/").headers["content-security-policy"]
+    directives = dict(d.strip().split(" ", 1) for d in policy.split(";"))
+    assert directives["script-src"] == "'self'"
+    assert directives["frame-ancestors"] == "'none'"
+    docs = httpx.get(keyed.url + "/docs").headers["content-security-policy"]
+    assert "frame-ancestors 'none'" in docs
