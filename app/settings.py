@@ -386,6 +386,15 @@ class Settings(BaseSettings):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, keys: list[str]) -> list[str]:
+        """No empty key: a template's unset variable in the JSON form (`["k", ""]`) would
+        read as a key, and a server believed guarded open to a bare `Bearer`."""
+        if any(not key.strip() for key in keys):
+            raise ValueError("a key is empty")
+        return keys
+
     @field_validator("cors_origins")
     @classmethod
     def _origins(cls, origins: list[str]) -> list[str]:

@@ -32,11 +32,14 @@ OPENAI_JS_HEADERS = {
 
 
 def formula_png(text: str = "x^2 + 1", size=(220, 48), fmt: str = "PNG") -> bytes:
-    """A small picture with dark text on white, in the given format."""
+    """A small picture with dark text on white, in the given format (MPO: a phone's JPEG
+    of two pictures, the second a copy)."""
     image = Image.new("RGB", size, "white")
     ImageDraw.Draw(image).text((12, 16), text, fill="black")
     buffer = io.BytesIO()
-    image.save(buffer, format=fmt)
+    image.save(
+        buffer, format=fmt, **({"save_all": True, "append_images": [image]} if fmt == "MPO" else {})
+    )
     return buffer.getvalue()
 
 

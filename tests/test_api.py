@@ -107,7 +107,7 @@ def test_recognize_accepts_base64_json_and_the_image_as_the_body(server):
 
 def test_recognize_accepts_every_supported_format(server):
     with server.client() as client:
-        for fmt in ("PNG", "JPEG", "WEBP", "BMP", "GIF"):
+        for fmt in ("PNG", "JPEG", "MPO", "WEBP", "BMP", "GIF"):
             data = formula_png(fmt=fmt)
             response = client.post("/recognize", files={"image": ("f", data, "application/x")})
             assert response.status_code == 200, (fmt, response.text)
@@ -501,6 +501,14 @@ def test_a_prompt_longer_than_the_text_encoder_reads_gets_422(server):
     response = generate(server, prompt="a red circle " * 20)
     assert response.status_code == 422
     assert "tokens" in response.json()["error"]["message"]
+
+
+def test_a_negative_prompt_longer_than_the_text_encoder_reads_gets_422_too(server):
+    """Not cut short silently: the image would ignore what the user asked it to avoid."""
+    response = generate(server, prompt="a circle", negative_prompt="a red square " * 20)
+    assert response.status_code == 422
+    error = response.json()["error"]
+    assert "negative_prompt" in error["message"] and "tokens" in error["message"], error
 
 
 def test_bad_requests_leave_the_server_healthy(server):

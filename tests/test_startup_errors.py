@@ -50,6 +50,10 @@ def texel_serve(*args: str, **env: str) -> subprocess.CompletedProcess:
             "TEXEL_LOG_LEVEL=LOUD: should be 'DEBUG', 'INFO', 'WARNING', 'ERROR' or 'CRITICAL'",
         ),
         ({"TEXEL_BOGUS": "1"}, "TEXEL_BOGUS: no such setting"),
+        (  # a template's unset variable: the server would take a bare `Bearer`
+            {"TEXEL_API_KEYS": '["sk-1", ""]'},
+            'TEXEL_API_KEYS=["sk-1", ""]: a key is empty',
+        ),
         (  # copied from the address bar: it would match no browser's Origin
             {"TEXEL_CORS_ORIGINS": "https://app.example/"},
             "TEXEL_CORS_ORIGINS=https://app.example/: https://app.example/ is not an origin: "
@@ -86,6 +90,7 @@ def texel_serve(*args: str, **env: str) -> subprocess.CompletedProcess:
         "out-of-range",
         "log-level",
         "unknown",
+        "empty-key",
         "origin",
         "misspelt",
         "model",

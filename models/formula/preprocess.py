@@ -26,7 +26,9 @@ from PIL import Image, ImageChops, ImageOps
 
 from models.errors import CorruptImage, ImageTooLarge, UnsupportedImage
 
-ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "WEBP", "BMP", "GIF"})
+# MPO is the JPEG of phone cameras that store more than one picture (Pillow names it
+# apart): its first picture is a JPEG.
+ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "MPO", "WEBP", "BMP", "GIF"})
 EXIF_ORIENTATION = 0x0112
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # How files of the accepted formats begin (BMP's two letters say too little to be sure).

@@ -363,19 +363,24 @@ class ImageGenerator(Model):
         )
 
     def tokenize(self, job: ImageJob) -> ImageJob:
-        """Encode the prompt with the pipeline's tokenizer: refuse one it would truncate."""
+        """Encode the prompts with the pipeline's tokenizer: refuse one it would truncate,
+        the negative prompt as the prompt."""
         tokenizer = self._prompt_tokenizer
         if tokenizer is None:
             return job
-        with self._tokenizer_lock:
-            ids = tokenizer(job.prompt, truncation=False)["input_ids"]
         limit = getattr(tokenizer, "model_max_length", None)
-        if limit and limit < 1_000_000 and len(ids) > limit:
-            raise InvalidParameter(
-                f"the prompt is {len(ids)} tokens long; this model reads at most {limit}",
-                param="prompt",
-            )
-        return dataclasses.replace(job, prompt_tokens=len(ids))
+        counts = {}
+        for name, text in (("prompt", job.prompt), ("negative_prompt", job.negative_prompt)):
+            if text is None:
+                continue
+            with self._tokenizer_lock:
+                counts[name] = len(tokenizer(text, truncation=False)["input_ids"])
+            if limit and limit < 1_000_000 and counts[name] > limit:
+                raise InvalidParameter(
+                    f"the {name} is {counts[name]} tokens long; this model reads at most {limit}",
+                    param=name,
+                )
+        return dataclasses.replace(job, prompt_tokens=counts["prompt"])
 
     def bucket(self, job: ImageJob) -> tuple[int, int, int, float]:
         """A pipeline call takes one size, step count and guidance scale."""
