@@ -1,5 +1,5 @@
 """What a client on the network can reach on a real server with API keys: which routes a
-key guards, that an empty key opens nothing, and the headers that keep browsers from
+key guards, that an empty token opens nothing, and the headers that keep browsers from
 reading Texel's answers as something else."""
 
 from __future__ import annotations
@@ -9,7 +9,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from starlette.requests import Request
 
+from app.errors import ApiError
+from app.http import check_api_key
 from tests.conftest import ServerProcess
 
 KEY = "security-suite-key"
@@ -24,11 +27,10 @@ GUARDED = [
 
 @pytest.fixture(scope="module")
 def keyed(tiny_env) -> Iterator[ServerProcess]:
-    """A server whose key list holds an empty entry, as the JSON form of the setting
-    does when one of the variables a deployment writes into it is unset. Keys are
-    checked before readiness, so the models need not have loaded."""
+    """A server with an API key. Keys are checked before readiness, so the models need
+    not have loaded."""
     proc = ServerProcess(
-        {**tiny_env, "TEXEL_API_KEYS": f'["{KEY}", ""]', "TEXEL_IMAGE__ENABLED": "false"},
+        {**tiny_env, "TEXEL_API_KEYS": KEY, "TEXEL_IMAGE__ENABLED": "false"},
         wait_ready=False,
     )
     yield proc
@@ -36,7 +38,7 @@ def keyed(tiny_env) -> Iterator[ServerProcess]:
 
 
 @pytest.mark.parametrize("authorization", ["Bearer", "bearer"])
-def test_an_empty_bearer_token_is_refused_even_with_an_empty_key_configured(keyed, authorization):
+def test_an_empty_bearer_token_is_refused_on_every_guarded_route(keyed, authorization):
     with keyed.client(headers={"Authorization": authorization}) as client:
         for method, path in GUARDED:
             response = client.request(method, path, json={})
@@ -45,6 +47,15 @@ def test_an_empty_bearer_token_is_refused_even_with_an_empty_key_configured(keye
     with keyed.client(headers={"Authorization": f"Bearer {KEY}"}) as client:  # the real key
         assert client.get("/debug/bottleneck?window_s=0.5").status_code == 200
         assert client.post("/recognize", json={}).status_code != 401
+
+
+def test_an_empty_key_opens_nothing_even_if_one_reached_the_check():
+    """`texel serve` refuses an empty key at start (tests/test_startup_errors.py); the
+    check itself does not take an empty token for one either."""
+    request = Request({"type": "http", "headers": [(b"authorization", b"Bearer")]})
+    with pytest.raises(ApiError) as refused:
+        check_api_key(request, [KEY, ""])
+    assert refused.value.status == 401
 
 
 def test_every_answer_tells_browsers_not_to_sniff_its_type(keyed):
