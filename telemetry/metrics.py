@@ -90,10 +90,19 @@ PADDING_EFFICIENCY = Histogram(
     buckets=EFFICIENCY_BUCKETS,
     registry=REGISTRY,
 )
+REJECTION_REASONS = (
+    "queue_full",
+    "deadline",
+    "cancelled",
+    "invalid",
+    "draining",
+    "not_ready",
+    "unavailable",
+    "failed",
+)
 REJECTED = Counter(
     "texel_requests_rejected",
-    "Requests refused or abandoned, by reason (queue_full, deadline, cancelled, "
-    "invalid, draining, not_ready, unavailable, failed).",
+    f"Requests refused or abandoned, by reason ({', '.join(REJECTION_REASONS)}).",
     ["model", "reason"],
     registry=REGISTRY,
 )
@@ -233,6 +242,13 @@ TORCH_RESERVED = Gauge(
     registry=REGISTRY,
     multiprocess_mode="livesum",
 )
+
+
+def count_from_zero(model: str) -> None:
+    """Create `model`'s rejection series at 0, so that `rate()` and `increase()` see a
+    model's first refusal of each reason, and a dashboard shows 0 rather than no data."""
+    for reason in REJECTION_REASONS:
+        REJECTED.labels(model, reason)
 
 
 def record_allocator(device) -> None:

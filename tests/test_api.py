@@ -18,6 +18,7 @@ from PIL import Image
 
 from app.http import preferred_type
 from app.routes import GENERATE_ANSWERS
+from telemetry.metrics import REJECTION_REASONS
 from tests.conftest import formula_png
 
 STAGES = {"http.parse", "preprocess", "queue.wait", "generate", "tokenize", "postprocess"}
@@ -247,6 +248,16 @@ def test_metrics_expose_stage_histograms_batches_and_padding(server):
     assert 'texel_queue_depth{model="formula"}' in text
     assert 'texel_padding_efficiency_count{model="formula"}' in text
     assert 'texel_confidence_count{model="formula"}' in text
+
+
+def test_every_rejection_reason_is_a_series_from_the_start(server):
+    """Created at 0 when the server starts, so `rate()` sees a model's first refusal of
+    each reason, and a dashboard shows 0, not "no data", for one that never happened."""
+    text = httpx.get(server.url + "/metrics").text
+    for model in ("formula", "image"):
+        for reason in REJECTION_REASONS:
+            series = f'texel_requests_rejected_total{{model="{model}",reason="{reason}"}}'
+            assert series in text, series
 
 
 def test_metrics_speak_openmetrics_with_exemplars_when_asked(server):
