@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from app.launcher import serve
-from app.settings import InvalidSettings, Settings, read_settings
+from app.settings import CLIENT_API_KEY, InvalidSettings, Settings, read_settings
+
+KEY_HELP = (
+    f"the server's API key (default: ${CLIENT_API_KEY}, which other users cannot read "
+    "with ps as they can a command line)"
+)
 
 
 def quiet_third_party() -> None:
@@ -29,7 +35,7 @@ def settings_or_exit(serving: bool) -> Settings:
     and exit status 2, as a usage error, with no traceback. `serving`: also refuse what
     `texel serve` cannot start with (`Settings.serving_problems`)."""
     try:
-        settings = read_settings()
+        settings = read_settings(client=not serving)
         problems = settings.serving_problems() if serving else []
     except InvalidSettings as exc:
         problems = exc.problems
@@ -48,6 +54,12 @@ def port(text: str) -> int:
     if not 0 <= number <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 to 65535)")
     return number
+
+
+def client_key(given: str | None) -> str | None:
+    """The API key a client command sends: `--api-key`, else `TEXEL_API_KEY` (which,
+    unlike the command line, other users cannot read with `ps`)."""
+    return given or os.environ.get(CLIENT_API_KEY) or None
 
 
 def diagnose(url: str, window_s: float, api_key: str | None) -> int:
@@ -95,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     diagnose_cmd.add_argument("--url", default="http://127.0.0.1:8000")
     diagnose_cmd.add_argument("--window", type=float, default=10.0, help="seconds to sample")
-    diagnose_cmd.add_argument("--api-key", default=None)
+    diagnose_cmd.add_argument("--api-key", default=None, help=KEY_HELP)
     recognize_cmd = commands.add_parser(
         "recognize",
         help="formula images to LaTeX, one JSON line each (through a server, or in this process)",
@@ -110,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     recognize_cmd.add_argument(
         "--url", default=None, help="a running server; without it the model runs in-process"
     )
-    recognize_cmd.add_argument("--api-key", default=None)
+    recognize_cmd.add_argument("--api-key", default=None, help=KEY_HELP)
     recognize_cmd.add_argument(
         "--concurrency",
         type=int,
@@ -133,13 +145,13 @@ def main(argv: list[str] | None = None) -> None:
                 args.paths,
                 out=args.out,
                 url=args.url,
-                api_key=args.api_key,
+                api_key=client_key(args.api_key),
                 concurrency=args.concurrency,
                 retry_failed=args.retry_failed,
             )
         )
     elif args.command == "diagnose":
-        sys.exit(diagnose(args.url, args.window, args.api_key))
+        sys.exit(diagnose(args.url, args.window, client_key(args.api_key)))
     else:  # pragma: no cover - argparse enforces the choices
         parser.print_help()
         sys.exit(2)

@@ -38,6 +38,10 @@ ENV_DELIMITER = "__"
 # processes its pid (TEXEL_LAUNCHER_PID, for the bottleneck probe); the benchmarks
 # (TEXEL_COMMIT, TEXEL_BENCH_INSTANT) and the tests (TEXEL_DATA, TEXEL_BACKENDS_CACHE,
 # TEXEL_UPDATE_SCREENSHOT) set theirs in the environment of the servers they start.
+# The key `texel recognize` and `texel diagnose` send (read by app/cli.py, so that it
+# need not be on their command line, where `ps` shows it): the client's, not a setting of
+# the server, whose keys are TEXEL_API_KEYS.
+CLIENT_API_KEY = "TEXEL_API_KEY"
 NOT_SETTINGS = frozenset(
     {
         "TEXEL_LAUNCHER_PID",
@@ -417,10 +421,12 @@ class InvalidSettings(Exception):
         self.problems = problems
 
 
-def read_settings() -> Settings:
+def read_settings(client: bool = False) -> Settings:
     """The settings in this process's environment; `InvalidSettings` lists every
-    `TEXEL_` variable that names no setting and every value a setting does not allow."""
-    problems = unknown_variables(os.environ)
+    `TEXEL_` variable that names no setting and every value a setting does not allow.
+    `client`: for a command that is also a client of servers (`texel recognize`), whose
+    key `CLIENT_API_KEY` is then no misspelling."""
+    problems = unknown_variables(os.environ, client)
     try:
         settings = Settings()
     except ValidationError as exc:
@@ -437,16 +443,24 @@ def env_name(*path: str) -> str:
     return ENV_PREFIX + ENV_DELIMITER.join(part.upper() for part in path)
 
 
-def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+def unknown_variables(environ: Mapping[str, str], client: bool = False) -> list[str]:
     """One line for each `TEXEL_` variable in `environ` that Texel does not read, with
     the setting it may be a misspelling of: a setting silently not applied would be
-    worse than a refusal."""
+    worse than a refusal (a server started with the client's `CLIENT_API_KEY` meant for
+    its keys would take every request without one). `client`: `CLIENT_API_KEY` is read."""
     variables = dict(_variables(Settings))
     leaves = [name.removeprefix(ENV_PREFIX) for name, nested in variables.items() if not nested]
     problems = []
     for name in sorted(environ):
         upper = name.upper()  # names are not case-sensitive
         if not upper.startswith(ENV_PREFIX) or upper in variables or upper in NOT_SETTINGS:
+            continue
+        if upper == CLIENT_API_KEY:
+            if not client:
+                problems.append(
+                    f"{name}: no such setting; did you mean {env_name('api_keys')}? "
+                    f"({CLIENT_API_KEY} is the key texel recognize and texel diagnose send)"
+                )
             continue
         problem = f"{name}: no such setting"
         # Compared without the prefix all names share, which would make any name close.

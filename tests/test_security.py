@@ -4,7 +4,10 @@ reading Texel's answers as something else."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -13,7 +16,7 @@ from starlette.requests import Request
 
 from app.errors import ApiError
 from app.http import check_api_key
-from tests.conftest import ServerProcess
+from tests.conftest import ROOT, ServerProcess
 
 KEY = "security-suite-key"
 GUARDED = [
@@ -47,6 +50,28 @@ def test_an_empty_bearer_token_is_refused_on_every_guarded_route(keyed, authoriz
     with keyed.client(headers={"Authorization": f"Bearer {KEY}"}) as client:  # the real key
         assert client.get("/debug/bottleneck?window_s=0.5").status_code == 200
         assert client.post("/recognize", json={}).status_code != 401
+
+
+def test_the_client_commands_send_the_key_from_the_environment(keyed):
+    """`texel diagnose` (and `texel recognize`, through the same lookup) take the key
+    from TEXEL_API_KEY, so that it need not be on a command line, where `ps` shows it."""
+
+    def diagnose(env: dict[str, str]) -> subprocess.CompletedProcess:
+        environ = {k: v for k, v in os.environ.items() if k != "TEXEL_API_KEY"}
+        command = [sys.executable, "-m", "app.cli", "diagnose", "--url", keyed.url]
+        return subprocess.run(
+            [*command, "--window", "0.5"],
+            cwd=ROOT,
+            env={**environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    refused = diagnose({})
+    assert refused.returncode == 1 and "answered 401" in refused.stderr, refused.stderr
+    answered = diagnose({"TEXEL_API_KEY": KEY})
+    assert answered.returncode == 0 and "quadrant:" in answered.stdout, answered.stderr
 
 
 def test_an_empty_key_opens_nothing_even_if_one_reached_the_check():

@@ -119,6 +119,16 @@ def test_an_unknown_variable_is_refused_with_the_setting_it_may_misspell():
     ]
 
 
+def test_the_client_key_is_refused_by_a_server_and_read_by_a_client():
+    """TEXEL_API_KEY is what `texel recognize` and `texel diagnose` send: a server started
+    with it (meant for TEXEL_API_KEYS) would take every request without a key."""
+    assert unknown_variables({"TEXEL_API_KEY": "k"}) == [
+        "TEXEL_API_KEY: no such setting; did you mean TEXEL_API_KEYS? "
+        "(TEXEL_API_KEY is the key texel recognize and texel diagnose send)"
+    ]
+    assert unknown_variables({"TEXEL_API_KEY": "k"}, client=True) == []
+
+
 def test_every_variable_the_reference_lists_is_known_in_any_case():
     reference = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
     listed = re.findall(r"^\| `(TEXEL_\w+)`", reference, flags=re.MULTILINE)
