@@ -10,10 +10,12 @@ RUN apt-get update \
 RUN python3 -m venv /opt/texel
 ENV PATH=/opt/texel/bin:$PATH
 WORKDIR /src
-# Dependencies first, so code and README changes do not reinstall torch.
-COPY pyproject.toml ./
+# Dependencies first, so code and README changes do not reinstall torch; at the versions
+# the tests passed with (deploy/constraints.txt: `make lock`), torch's CUDA build.
+COPY pyproject.toml deploy/constraints.txt ./
 RUN python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' > /tmp/requirements.txt \
- && pip install --upgrade pip && pip install torch && pip install -r /tmp/requirements.txt
+ && pip install --upgrade pip && pip install -c constraints.txt torch \
+ && pip install -c constraints.txt -r /tmp/requirements.txt
 COPY app ./app
 COPY batching ./batching
 COPY engine ./engine

@@ -2,6 +2,7 @@
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.texel-installed
+LOCK    := deploy/constraints.txt
 HOST    ?= 0.0.0.0
 PORT    ?= 8000
 DATA    ?= ../shared/data
@@ -15,19 +16,25 @@ else
 TORCH_SPEC ?= torch==2.13.0
 endif
 
-.PHONY: install run test lint format docs bench bench-cpu bench-gpu eval-formula eval-image train-formula train-image clean
+.PHONY: install lock run test lint format docs bench bench-cpu bench-gpu eval-formula eval-image train-formula train-image clean
 
 install: $(STAMP)
 
 # pip compiles every module it installs; keep it so: where PYTHONDONTWRITEBYTECODE is
 # set (CI's machine), nothing compiled at import time is kept, and every server process
 # the tests start would compile torch again.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -c $(LOCK) "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -c $(LOCK) -e ".[dev]"
 	touch $(STAMP)
+
+# The versions every install takes (this one, CI's, the image's): those of the
+# environment the tests passed in. After a dependency changes: install it, test, lock.
+lock:
+	{ echo "# The versions make install and the image install (pip -c): written by make lock."; \
+	  $(PY) -m pip freeze --exclude-editable | sed -E 's/\+[a-z0-9.]+$$//'; } > $(LOCK)
 
 run: install
 	$(VENV)/bin/texel serve --host $(HOST) --port $(PORT)

@@ -13,12 +13,15 @@ import json
 import os
 import re
 import subprocess
+import tomllib
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.launcher import shutdown_limit_s
@@ -195,9 +198,13 @@ def test_the_build_context_is_what_the_dockerfile_copies():
     assets too), and nothing else does: no virtual environment, cache or scratch folder
     of the checkout is uploaded or can end up in the image."""
     copied = dockerfile_copy_sources()
-    assert copied >= {"pyproject.toml", "README.md", "app", "models"}
+    assert copied >= {"pyproject.toml", "deploy/constraints.txt", "README.md", "app", "models"}
     sent = {entry.name for entry in ROOT.iterdir() if in_build_context(entry.name)}
-    assert sent == copied
+    assert sent == {source for source in copied if "/" not in source}
+    for source in (source for source in copied if "/" in source):  # one file of a folder
+        for sibling in (ROOT / source).parent.iterdir():
+            relative = sibling.relative_to(ROOT).as_posix()
+            assert in_build_context(relative) == (relative == source), relative
     for source in sorted(copied):
         files = [ROOT / source] if (ROOT / source).is_file() else (ROOT / source).rglob("*")
         for path in files:
@@ -206,6 +213,24 @@ def test_the_build_context_is_what_the_dockerfile_copies():
                 assert in_build_context(relative), relative
             if path.name == "__pycache__":
                 assert not in_build_context(relative), relative
+
+
+def test_the_lock_pins_every_dependency_within_its_range():
+    """deploy/constraints.txt (`make lock`) gives `make install` and the image one
+    version of each dependency pyproject.toml names, runtime and test alike, and a
+    version pyproject.toml allows."""
+    pinned = {}
+    for line in (ROOT / "deploy" / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"not a pin: {line}"
+            pinned[canonicalize_name(name)] = version
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    named = [*project["dependencies"], *project["optional-dependencies"]["dev"]]
+    for requirement in map(Requirement, named):
+        version = pinned.get(canonicalize_name(requirement.name))
+        assert version is not None, f"{requirement.name} is not in the lock"
+        assert requirement.specifier.contains(version, prereleases=True), (requirement, version)
 
 
 def test_prometheus_config_passes_promtool(promtool):
