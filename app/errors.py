@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from engine.errors import (
     BatchFailed,
@@ -205,10 +206,23 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return error_response(to_api_error(exc), request.url.path)
+        path = request.url.path
+        bare = path.rstrip("/")
+        if exc.status_code == 404 and bare != path and _routed(app, request, bare):
+            # Not redirected (the app is built with redirect_slashes off): a redirect
+            # names the host the client sent, and most clients do not follow a POST's.
+            message = f"no route {path}; the route is {bare}, without the trailing slash"
+            return error_response(ApiError(404, "not_found", message), path)
+        return error_response(to_api_error(exc), path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         # repr: the path is the client's, decoded, and may hold line breaks
         log.exception("unhandled error on %r", request.url.path)
         return error_response(to_api_error(exc), request.url.path)
+
+
+def _routed(app: FastAPI, request: Request, path: str) -> bool:
+    """Whether a route of `app` takes `request` at `path` instead (any method)."""
+    scope = {**request.scope, "path": path}
+    return any(route.matches(scope)[0] is not Match.NONE for route in app.router.routes)

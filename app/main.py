@@ -78,6 +78,7 @@ def build_app(settings: Settings, models: dict[str, Model], engines: list[Engine
         lifespan=lifespan,
         docs_url=None,  # served below from the package's own Swagger UI, not a CDN
         redoc_url=None,
+        redirect_slashes=False,  # a trailing slash gets a 404 that names the route
     )
     app.state.runtime = runtime
     app.include_router(router)

@@ -536,6 +536,18 @@ def test_unknown_routes_get_a_json_404(server):
     assert error_of(response) == "not_found"
 
 
+def test_a_trailing_slash_gets_a_404_naming_the_route_not_a_redirect(server):
+    """A redirect would name whatever host the client sent, and clients do not follow a
+    POST's redirect by default: the answer says where the route is instead."""
+    response = httpx.post(
+        server.url + "/recognize/", files={"image": ("f.png", formula_png(), "image/png")}
+    )
+    assert response.status_code == 404 and "location" not in response.headers
+    assert error_of(response) == "not_found"
+    assert "the route is /recognize," in response.json()["error"]["message"]
+    assert "the route is" not in httpx.get(server.url + "/nope/").json()["error"]["message"]
+
+
 # -- connections --------------------------------------------------------------------
 
 
