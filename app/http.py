@@ -60,8 +60,9 @@ class BodySizeLimit:
     A body over its limit is refused with 413: by its Content-Length, or as soon as a
     chunked body passes it. A body that has not arrived whole within the request
     timeout of its head is refused with 408. An answer that goes out before its body
-    has been read whole closes the connection, so that the rest of a body, sent slowly
-    or never, cannot hold the connection open.
+    has been read whole (a refusal) first reads the rest within those bounds, so the
+    client gets it on a connection that stays open; past them the connection closes,
+    so that the rest of a body, sent slowly or never, cannot hold it open.
     """
 
     def __init__(self, app: ASGIApp, max_upload_bytes: int) -> None:
@@ -97,15 +98,40 @@ class BodySizeLimit:
                 unread = message.get("more_body", False)
             return message
 
+        async def discard_body() -> bool:
+            """Read the rest of the body and drop it; False if it cannot be read whole
+            (over the limit, too slow, or the client gone), or if the client waits to be
+            told to send it (`Expect: 100-continue`, nothing read yet): it then never
+            sends it, and the connection closes without it."""
+            if received == 0 and headers.get(b"expect", b"").lower() == b"100-continue":
+                return False
+            try:
+                while unread:
+                    if (await bounded_receive())["type"] != "http.request":
+                        return False
+            except ApiError:
+                return False
+            return True
+
         async def closing_send(message: Message) -> None:
-            if message["type"] == "http.response.start" and unread:
+            # An answer before the body was read (a refusal: 401, 503 while not ready):
+            # the rest of the body is read and dropped first. Closing a socket that still
+            # holds unread bytes makes the kernel reset the connection, and the client
+            # would then get no answer at all, not even this one.
+            if message["type"] == "http.response.start" and unread and not await discard_body():
+                await closed_send(message)
+            else:
+                await send(message)
+
+        async def closed_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
                 closing = [*message.get("headers", ()), (b"connection", b"close")]
                 message = {**message, "headers": closing}
             await send(message)
 
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await error_response(payload_too_large(limit))(scope, receive, closing_send)
+            await error_response(payload_too_large(limit))(scope, receive, closed_send)
             return
         await self.app(scope, bounded_receive, closing_send)
 

@@ -162,6 +162,18 @@ class ServerRecognizer(Recognizer):
                 f"{summary(response)}; give --url the server's base URL"
                 + (f", perhaps {base}" if base != self.url else "")
             )
+        try:  # a guarded route: a missing or wrong key stops here, not once per image
+            keyed = await self._client.get(self.url + "/v1/models")
+        except httpx.HTTPError as exc:
+            await self._client.aclose()
+            raise RecognizeError(f"could not reach {self.url}: {reason(exc)}") from None
+        if keyed.status_code == 401:
+            await self._client.aclose()
+            raise RecognizeError(
+                f"{self.url} "
+                + ("refused the API key" if self._headers else "wants an API key")
+                + ": set TEXEL_API_KEY (or pass --api-key)"
+            )
         return self
 
     async def __aexit__(self, *exc_info) -> None:

@@ -275,18 +275,52 @@ def test_blank_lines_without_a_request_do_not_hold_a_connection_open(hostile, af
         assert time.monotonic() - started < REQUEST_TIMEOUT_S + 1.5
 
 
-def test_an_answer_given_before_the_body_is_read_closes_the_connection(hostile):
-    """Refused before its body is read (here: no API key), a request cannot keep its
-    connection open by sending the rest of its body slowly."""
+def test_a_refusal_before_the_body_is_read_still_reaches_the_client_and_keeps_it(hostile):
+    """Refused before its body is read (here: no API key), a request's whole body is read
+    and dropped first: closing a socket that holds unread bytes makes the kernel reset
+    the connection, and a client uploading a picture got no answer at all."""
+    body = b'{"image_base64": "' + b"A" * UPLOAD_LIMIT + b'"}'  # more than uvicorn buffers
+    request = head(
+        "POST", "/recognize", {"Content-Type": "application/json", "Content-Length": str(len(body))}
+    )
+    with connect(hostile) as sock:
+        sock.sendall(request + body)
+        for _ in range(3):  # the connection stays open for the next request
+            answer = read_answer(sock)
+            assert answer.status == 401 and answer.code() == "unauthorized"
+            assert answer.headers.get("connection") != "close"
+            sock.sendall(request + body)
+
+
+def test_a_refused_body_sent_slowly_cannot_keep_its_connection_open(hostile):
+    """... but a body that stops arriving is read no longer than the request timeout: its
+    refusal goes out then, and the connection closes."""
     request = head(
         "POST", "/recognize", {"Content-Type": "application/json", "Content-Length": "5000"}
     )
     with connect(hostile) as sock:
         sock.sendall(request + b'{"image_base64": ')
+        started = time.monotonic()
+        answer = read_answer(sock)
+        assert answer.status == 401
+        assert time.monotonic() - started < REQUEST_TIMEOUT_S + 1.5
+        assert answer.headers.get("connection") == "close"
+        assert closed_by_server(sock, within_s=2)
+
+
+def test_a_client_that_waits_to_send_its_body_is_refused_without_it(hostile):
+    """With `Expect: 100-continue` the client sends its body only once told to: refused
+    first, it is answered at once and never asked for the body."""
+    request = head(
+        "POST",
+        "/recognize",
+        {"Content-Type": "application/json", "Content-Length": "5000", "Expect": "100-continue"},
+    )
+    with connect(hostile) as sock:
+        sock.sendall(request)
         answer = read_answer(sock)
         assert answer.status == 401
         assert answer.headers.get("connection") == "close"
-        assert closed_by_server(sock, within_s=2)
 
 
 # -- heads too large ------------------------------------------------------------------

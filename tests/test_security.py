@@ -16,7 +16,7 @@ from starlette.requests import Request
 
 from app.errors import ApiError
 from app.http import check_api_key
-from tests.conftest import ROOT, ServerProcess
+from tests.conftest import ROOT, ServerProcess, formula_png
 
 KEY = "security-suite-key"
 GUARDED = [
@@ -52,26 +52,39 @@ def test_an_empty_bearer_token_is_refused_on_every_guarded_route(keyed, authoriz
         assert client.post("/recognize", json={}).status_code != 401
 
 
+def texel(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "TEXEL_API_KEY"}
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args],
+        cwd=ROOT,
+        env={**environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_the_client_commands_send_the_key_from_the_environment(keyed):
-    """`texel diagnose` (and `texel recognize`, through the same lookup) take the key
-    from TEXEL_API_KEY, so that it need not be on a command line, where `ps` shows it."""
-
-    def diagnose(env: dict[str, str]) -> subprocess.CompletedProcess:
-        environ = {k: v for k, v in os.environ.items() if k != "TEXEL_API_KEY"}
-        command = [sys.executable, "-m", "app.cli", "diagnose", "--url", keyed.url]
-        return subprocess.run(
-            [*command, "--window", "0.5"],
-            cwd=ROOT,
-            env={**environ, **env},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-
-    refused = diagnose({})
+    """`texel diagnose` and `texel recognize` take the key from TEXEL_API_KEY, so that it
+    need not be on a command line, where `ps` shows it."""
+    diagnose = ("diagnose", "--url", keyed.url, "--window", "0.5")
+    refused = texel(*diagnose, env={})
     assert refused.returncode == 1 and "answered 401" in refused.stderr, refused.stderr
-    answered = diagnose({"TEXEL_API_KEY": KEY})
+    answered = texel(*diagnose, env={"TEXEL_API_KEY": KEY})
     assert answered.returncode == 0 and "quadrant:" in answered.stdout, answered.stderr
+
+
+def test_texel_recognize_stops_at_once_on_a_missing_or_wrong_key(keyed, tmp_path):
+    """One line saying what to do, not one error line per picture."""
+    picture = tmp_path / "f.png"
+    picture.write_bytes(formula_png())
+    for env, says in (
+        ({}, "wants an API key"),
+        ({"TEXEL_API_KEY": "wrong"}, "refused the API key"),
+    ):
+        done = texel("recognize", str(picture), "--url", keyed.url, env=env)
+        assert done.returncode != 0 and done.stdout == "", done
+        assert f"{says}: set TEXEL_API_KEY (or pass --api-key)" in done.stderr, done.stderr
 
 
 def test_an_empty_key_opens_nothing_even_if_one_reached_the_check():
