@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import pydantic_settings
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -54,7 +54,16 @@ NOT_SETTINGS = frozenset(
 )
 
 
-class ModelSettings(BaseModel):
+DAY_S = 86_400.0  # the longest time setting: longer ones overflow the event loop's timers
+
+
+class Group(BaseModel):
+    """A group of settings: numbers are finite (no `inf` or `nan` seconds or bytes)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+class ModelSettings(Group):
     """Settings of one served model and its batcher."""
 
     # What a local folder of the model's family holds: each entry is a file, or files
@@ -72,6 +81,7 @@ class ModelSettings(BaseModel):
     max_wait_ms: float = Field(
         10.0,
         ge=0,
+        le=60_000,
         description="How long the first request of a bucket waits for company before its "
         "batch runs (a continuous decode starts at once and takes company as it runs).",
     )
@@ -88,7 +98,7 @@ class ModelSettings(BaseModel):
         return self.max_batch_size
 
 
-class FormulaAdvanced(BaseModel):
+class FormulaAdvanced(Group):
     bucket_width: int | None = Field(
         None,
         ge=8,
@@ -170,7 +180,7 @@ class FormulaSettings(ModelSettings):
         return 128 if any(device.type == "cuda" for device in devices) else 16
 
 
-class ImageAdvanced(BaseModel):
+class ImageAdvanced(Group):
     continuous: bool = Field(
         True,
         description="With a Stable Diffusion pipeline, new requests join a running "
@@ -198,6 +208,7 @@ class ImageSettings(ModelSettings):
     max_wait_ms: float = Field(
         20.0,
         ge=0,
+        le=60_000,
         description="How long the first request of a bucket waits for company before its "
         "batch runs (a continuous denoising loop starts at once and takes company as it "
         "runs).",
@@ -233,7 +244,7 @@ class ImageSettings(ModelSettings):
         )
 
 
-class AdvancedSettings(BaseModel):
+class AdvancedSettings(Group):
     gpu_sharing: Literal["priority", "off"] = Field(
         "priority",
         description="How the models of one GPU share it: priority puts each model's work "
@@ -276,7 +287,10 @@ class Settings(BaseSettings):
     folder that is not there, or no model enabled."""
 
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_DELIMITER, extra="ignore"
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=ENV_DELIMITER,
+        extra="ignore",
+        allow_inf_nan=False,
     )
 
     device: str = Field("auto", description="auto, cpu, cuda (every GPU) or cuda:N.")
@@ -287,7 +301,7 @@ class Settings(BaseSettings):
         "formula decoder's weights in int8.",
     )
     request_timeout_s: float = Field(
-        60.0, gt=0, description="Deadline of a request from arrival; past it, 504."
+        60.0, gt=0, le=DAY_S, description="Deadline of a request from arrival; past it, 504."
     )
     max_upload_bytes: int = Field(10 * 1024 * 1024, ge=1024, description="Largest image upload.")
     max_image_pixels: int = Field(
@@ -304,9 +318,11 @@ class Settings(BaseSettings):
         "INFO", description="Python logging level, in any case."
     )
     shutdown_grace_s: float = Field(
-        0.0, ge=0, description="On SIGTERM, report not-ready this long before draining."
+        0.0, ge=0, le=DAY_S, description="On SIGTERM, report not-ready this long before draining."
     )
-    drain_timeout_s: float = Field(30.0, ge=0, description="Longest wait for queued work on exit.")
+    drain_timeout_s: float = Field(
+        30.0, ge=0, le=DAY_S, description="Longest wait for queued work on exit."
+    )
     http_processes: int | None = Field(
         None,
         ge=1,

@@ -83,6 +83,12 @@ def problems(environment, **env: str) -> list[str]:
         ("TEXEL_DTYPE", "float64", "should be 'auto', 'float32', 'float16' or 'bfloat16'"),
         ("TEXEL_LOG_LEVEL", "LOUD", "should be 'DEBUG', 'INFO', 'WARNING', 'ERROR' or"),
         ("TEXEL_DEVICE", "gpu", "should be auto, cpu, cuda or cuda:N"),
+        # Past a day, times overflow the event loop's timers: a drain that crashed.
+        ("TEXEL_DRAIN_TIMEOUT_S", "inf", "should be a finite number"),
+        ("TEXEL_SHUTDOWN_GRACE_S", "1e9", "should be less than or equal to 86400"),
+        ("TEXEL_REQUEST_TIMEOUT_S", "Infinity", "should be a finite number"),
+        ("TEXEL_FORMULA__MAX_WAIT_MS", "inf", "should be a finite number"),
+        ("TEXEL_FORMULA__CACHE_MB", "nan", "should be a finite number"),
     ],
 )
 def test_an_invalid_value_is_one_line_naming_the_variable_the_value_and_what_is_allowed(
