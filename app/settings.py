@@ -57,9 +57,9 @@ NOT_SETTINGS = frozenset(
 DAY_S = 86_400.0  # the longest time setting: longer ones overflow the event loop's timers
 
 
+# A group of settings: numbers are finite (no `inf` or `nan` seconds or bytes). No
+# docstring: configuration.md would give it to every group without one of its own.
 class Group(BaseModel):
-    """A group of settings: numbers are finite (no `inf` or `nan` seconds or bytes)."""
-
     model_config = ConfigDict(allow_inf_nan=False)
 
 
