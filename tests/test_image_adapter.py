@@ -13,6 +13,7 @@ from PIL import Image
 
 from batching import Batcher, BatchPolicy, Cancelled, ComputeThread, Worker
 from engine import protocol
+from models.errors import InvalidParameter
 from models.image.adapter import GeneratedImages, ImageGenerator, ImageRequest
 
 
@@ -91,6 +92,29 @@ def test_a_higher_png_compress_level_makes_smaller_files():
     fast = ImageGenerator("x", [], png_compress_level=0).encode(images).pngs[0]
     small = ImageGenerator("x", [], png_compress_level=9).encode(images).pngs[0]
     assert len(small) < len(fast)
+
+
+def test_a_speed_measured_too_slow_at_warm_up_is_corrected_by_the_steps_served():
+    """Warm-up on a busy machine once measured steps many times slower than they ran,
+    and every request of the default 25 steps was then refused for good."""
+    generator = ImageGenerator("x", [], deadline_s=60.0)
+    generator.attach(
+        {
+            "defaults": {"width": 32, "height": 32, "steps": 20, "guidance": 7.5},
+            "size_multiple": 8,
+            "speed": {"step_s": 2.9, "fixed_s": 0.1, "exponent": 1.0},  # as warm-up said
+        }
+    )
+    asked = ImageRequest("a red circle", num_inference_steps=25)
+    with pytest.raises(InvalidParameter, match="would take about 73 s"):
+        generator.preprocess(asked)
+    # A request of 20 steps that ran: 0.044 s a step at twice the default pixels.
+    pixels = np.zeros((32, 64, 3), dtype=np.uint8)
+    generator.encode(GeneratedImages([pixels], (0,), [0.044] * 20))
+    assert generator.speed.step_s == pytest.approx(0.022)
+    assert generator.preprocess(asked).steps == 25
+    generator.encode(GeneratedImages([pixels], (0,), [9.0] * 20))  # a slow batch: kept
+    assert generator.speed.step_s == pytest.approx(0.022)
 
 
 def _images(generator: ImageGenerator, jobs) -> list[torch.Tensor]:

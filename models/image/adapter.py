@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import secrets
+import statistics
 import threading
 import time
 from collections import deque
@@ -319,7 +320,22 @@ class ImageGenerator(Model):
         for step_s in output.step_s:
             metrics.DENOISING_STEP.labels(self.name).observe(step_s)
         metrics.IMAGES_GENERATED.labels(self.name).inc(len(pngs))
+        self._learn_speed(output)
         return EncodedImages(pngs, output.seeds)
+
+    def _learn_speed(self, output: GeneratedImages) -> None:
+        """Lower the speed estimate to what a served request's steps took, where they
+        were faster: warm-up measured it once, and on a machine busy at that moment it
+        can be many times too slow, which would refuse every request it says cannot
+        finish in time, for as long as the server runs. A step of a batch costs at least
+        one alone, so an observation never raises the estimate."""
+        if self.speed is None or not output.step_s or not output.images:
+            return
+        height, width = output.images[0].shape[:2]
+        scale = self._pixels_ratio(width, height) ** self.speed.exponent
+        step_s = statistics.median(output.step_s) / scale
+        if step_s < self.speed.step_s:
+            self.speed = dataclasses.replace(self.speed, step_s=step_s)
 
     def preprocess(self, request: ImageRequest) -> ImageJob:
         """Fill defaults, validate against this model, count prompt tokens."""
