@@ -16,6 +16,7 @@ reach it through `RemoteEngine`; on a CPU it can run inside the HTTP process
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -76,6 +77,7 @@ class _Served:
         self.model: Model | None = None
         self.batcher: Batcher | None = None
         self.state = ModelState("loading")
+        self.started = 0.0  # when its loading began (perf_counter)
 
 
 class Engine:
@@ -107,12 +109,26 @@ class Engine:
         return self._loader
 
     async def _load_all(self) -> None:
+        """Each model in turn; on a CPU, where the models take turns on one thread, none
+        is ready before every one is warm: a model ready while another warmed up would
+        take requests and hold them for as long (tens of seconds for an image model),
+        where `not_ready` tells clients to come back."""
+        loaded = []
         for served in self._served.values():
-            await self._load(served)
+            ready = await self._load(served)
+            if ready is not None:
+                loaded.append(ready)
+            if self.device.type != "cpu":
+                for serve in loaded:
+                    serve()
+                loaded = []
+        for serve in loaded:
+            serve()
 
-    async def _load(self, served: _Served) -> None:
+    async def _load(self, served: _Served) -> Callable[[], None] | None:
+        """Load and warm up `served`'s model; what then serves it, None if it failed."""
         plan = served.plan
-        started = time.perf_counter()
+        served.started = time.perf_counter()
         loop = asyncio.get_running_loop()
         try:
             model = plan.build()
@@ -135,7 +151,12 @@ class Engine:
         except Exception as exc:
             served.state = ModelState("failed", f"{type(exc).__name__}: {exc}")
             log_load_failure(log, exc, "could not load the %s model on %s", plan.key, self.name)
-            return
+            return None
+        return functools.partial(self._serve, served, model, runner, description, lane, thread)
+
+    def _serve(self, served: _Served, model, runner, description, lane: Lane, thread) -> None:
+        """Start `served`'s batcher on its loaded `model`: it is ready."""
+        plan = served.plan
         policy = BatchPolicy(
             max_batch_size=plan.max_batch_size,
             max_wait_s=plan.max_wait_s,
@@ -163,7 +184,7 @@ class Engine:
             plan.key,
             model.name,
             self.name,
-            time.perf_counter() - started,
+            time.perf_counter() - served.started,
             lane.stream,
         )
 

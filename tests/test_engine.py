@@ -220,6 +220,56 @@ async def test_a_model_that_fails_to_load_is_reported_failed() -> None:
     await engine.close()
 
 
+class SlowToWarm(Doubler):
+    """A Doubler whose warm-up waits for `warmed` (as an image model's takes tens of
+    seconds on a CPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.warming = threading.Event()
+        self.warmed = threading.Event()
+
+    def warmup(self, device, max_batch_size: int) -> None:
+        self.warming.set()
+        self.warmed.wait(10)
+
+
+async def test_on_a_cpu_no_model_is_ready_while_another_warms_up_on_its_thread() -> None:
+    """The models take turns on the CPU's one thread: a model ready while another warmed
+    up would take requests and hold them until that warm-up ended."""
+    slow = SlowToWarm()
+    plans = [
+        ModelPlan("first", Doubler, 8, 0.01, 16),
+        ModelPlan("second", lambda: slow, 8, 0.01, 16),
+    ]
+    engine = Engine(CPU, plans)
+    loading = engine.start()
+    await until(slow.warming.is_set)
+    assert {key: state.state for key, state in engine.states().items()} == {
+        "first": "loading",
+        "second": "loading",
+    }
+    slow.warmed.set()
+    await loading
+    assert {state.state for state in engine.states().values()} == {"ready"}
+    await engine.close()
+
+
+async def test_a_model_that_fails_to_load_leaves_the_others_ready_on_a_cpu() -> None:
+    def broken() -> Model:
+        raise OSError("no weights at /nowhere")
+
+    engine = Engine(
+        CPU, [ModelPlan("first", Doubler, 8, 0.01, 16), ModelPlan("second", broken, 8, 0.01, 16)]
+    )
+    await engine.start()
+    assert {key: state.state for key, state in engine.states().items()} == {
+        "first": "ready",
+        "second": "failed",
+    }
+    await engine.close()
+
+
 async def test_the_local_client_answers_like_the_engine() -> None:
     model = Doubler()
     client = LocalEngine(Engine(CPU, [plan(model)]))
