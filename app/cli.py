@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         "--out",
         default=None,
         help="JSON lines file; images already in it are skipped, so the same command "
-        "resumes (lines name images relative to its folder)",
+        "resumes (lines name images relative to its folder; an image's last line counts)",
     )
     recognize_cmd.add_argument(
         "--url", default=None, help="a running server; without it the model runs in-process"

@@ -64,13 +64,13 @@ def line_path(image: Path, folder: Path | None) -> str:
         return str(image.resolve())
 
 
-def done_paths(out: Path, retry_failed: bool = False) -> set[Path]:
-    """The images that already have a line in `out`, its paths read from `out`'s folder;
-    with `retry_failed`, only those whose last line holds LaTeX. A line cut short by an
-    interruption is not counted."""
+def last_lines(out: Path) -> dict[Path, bool]:
+    """Each image with a line in `out` (its path read from `out`'s folder), and whether
+    its last line, the one that counts, holds LaTeX. A line cut short by an interruption
+    is not counted."""
     last: dict[Path, bool] = {}
     if not out.exists():
-        return set()
+        return last
     with out.open() as lines:
         for line in lines:
             try:
@@ -78,7 +78,13 @@ def done_paths(out: Path, retry_failed: bool = False) -> set[Path]:
                 last[(out.parent / record["path"]).resolve()] = "latex" in record
             except (ValueError, KeyError, TypeError):
                 continue
-    return {path for path, ok in last.items() if ok or not retry_failed}
+    return last
+
+
+def done_paths(out: Path, retry_failed: bool = False) -> set[Path]:
+    """The images that already have a line in `out`; with `retry_failed`, only those
+    whose last line holds LaTeX."""
+    return {path for path, ok in last_lines(out).items() if ok or not retry_failed}
 
 
 def append_lines(out: Path) -> TextIO:
@@ -338,8 +344,8 @@ def run(
     progress: bool | None = None,
 ) -> int:
     """`texel recognize`: exit status 0 when every image has LaTeX, 1 when some failed
-    (their lines say why), 2 when the run could not start, 130 when interrupted (Ctrl-C;
-    the same command again resumes)."""
+    (their lines say why; in a resumed run, those failed before too), 2 when the run
+    could not start, 130 when interrupted (Ctrl-C; the same command again resumes)."""
     if concurrency is not None and concurrency < 1:
         return stop(f"--concurrency must be 1 or more, not {concurrency}")
     sink_path = Path(out) if out is not None else None
@@ -357,17 +363,25 @@ def run(
         images = find_images(paths)
     except RecognizeError as exc:
         return stop(str(exc))
+    failed_before = 0  # images left as they are whose last line is an error
     if sink_path is not None:
-        done = done_paths(sink_path, retry_failed)
+        last = last_lines(sink_path)
+        done = {path for path, ok in last.items() if ok or not retry_failed}
         todo = [path for path in images if path.resolve() not in done]
+        failed_before = sum(not last[p.resolve()] for p in images if p.resolve() in done)
         if len(todo) < len(images):
-            print(f"{len(images) - len(todo)} images already in {out}", file=sys.stderr)
+            failed = (
+                f", {failed_before} of them failed (--retry-failed sends those again)"
+                if failed_before
+                else ""
+            )
+            print(f"{len(images) - len(todo)} images already in {out}{failed}", file=sys.stderr)
     else:
         todo = images
     if not todo:
         if not images:
             return stop("no images found")
-        return 0
+        return 1 if failed_before else 0
     progress = sys.stderr.isatty() if progress is None else progress
     tally = Tally()
 
@@ -395,4 +409,4 @@ def run(
         return 130
     if tally.failed:
         print(f"{tally.failed} of {len(todo)} images failed", file=sys.stderr)
-    return 1 if tally.failed else 0
+    return 1 if tally.failed or failed_before else 0

@@ -107,12 +107,15 @@ def test_a_second_run_sends_only_the_images_not_yet_in_the_output(server, folder
         + [{"path": str(folder / "broken.png"), "error": {"code": "unsupported_image"}}],
     )
     (folder / "d.png").write_bytes(formula_png("z - 1"))
-    assert run([str(folder)], out=str(out), url=server.url, progress=False) == 0
+    # 1: the file still holds an image that failed, and the run says how to send it again.
+    assert run([str(folder)], out=str(out), url=server.url, progress=False) == 1
     assert out.read_text().startswith(before)  # nothing written before is touched
     added = lines(out)[len(GOOD) + 1 :]
     assert [Path(r["path"]).name for r in added] == ["d.png"]
     assert "latex" in added[0]
-    assert "4 images already in" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "4 images already in" in said
+    assert "1 of them failed (--retry-failed sends those again)" in said
 
 
 def test_retry_failed_sends_again_the_images_whose_line_is_an_error(server, folder, tmp_path):
@@ -237,7 +240,7 @@ def test_the_same_job_from_another_working_directory_resumes_the_same_output(
     assert {r["path"] for r in lines(out)} == paths  # relative to the output file's folder
     monkeypatch.chdir(tmp_path.parent)
     job = tmp_path.name
-    assert run([f"{job}/images"], out=f"{job}/results.jsonl", url=server.url, progress=False) == 0
+    assert run([f"{job}/images"], out=f"{job}/results.jsonl", url=server.url, progress=False) == 1
     assert out.read_text() == written
     assert "4 images already in" in capsys.readouterr().err
 
