@@ -264,6 +264,12 @@ def _parse_json(body: bytes, schema: type[Schema]) -> Schema:
         raise validation_error(errors) from None
 
 
+UPLOAD_FORMS = (
+    "multipart/form-data with an 'image' file, JSON with 'image_base64', "
+    "or the image itself as image/*"
+)
+
+
 async def read_image_upload(request: Request, max_bytes: int) -> bytes:
     """The image bytes of a /recognize request: multipart field `image`, JSON
     `image_base64`, or the body itself sent as `image/*`."""
@@ -273,12 +279,12 @@ async def read_image_upload(request: Request, max_bytes: int) -> bytes:
     elif _is_raw_image(media_type):
         data = await request.body()
     elif _is_json(media_type):
-        data = _decode_base64(_parse_json(await request.body(), RecognizeJSON).image_base64)
+        body = await request.body()
+        if not body:  # no Content-Type either, most likely: any of the three will do
+            raise malformed(f"the body is empty; send {UPLOAD_FORMS}")
+        data = _decode_base64(_parse_json(body, RecognizeJSON).image_base64)
     else:
-        raise unsupported_media_type(
-            "multipart/form-data with an 'image' file, JSON with 'image_base64', "
-            "or the image itself as image/*"
-        )
+        raise unsupported_media_type(UPLOAD_FORMS)
     if not data:
         raise malformed("the image is empty")
     if len(data) > max_bytes:

@@ -48,8 +48,8 @@ def generate_request(body: ImagesGenerationRequest, model: str) -> GenerateReque
         raise ApiError(
             404,
             "model_not_found",
-            f"the model {body.model!r} is not served here; the image model is {model!r} "
-            "(GET /v1/models lists them)",
+            f"the model {body.model!r} is not this server's image model, {model!r} "
+            "(GET /v1/models lists every model it serves)",
             param="model",
         )
     if body.response_format == "url":

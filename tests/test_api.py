@@ -340,6 +340,8 @@ def test_an_empty_body_gets_400_on_both_routes(server):
                 response = client.post(path, content=b"", headers=headers)
                 assert response.status_code == 400, (path, headers, response.text)
                 assert error_of(response) == "malformed_request"
+                if path == "/recognize":  # every form it takes, multipart first
+                    assert "multipart/form-data with an 'image' file" in response.text
 
 
 def test_text_and_form_bodies_get_415_on_both_routes(server):

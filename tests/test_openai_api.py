@@ -206,6 +206,14 @@ def test_a_model_not_served_is_refused_404_model_not_found(client):
     assert (error["code"], error["param"]) == ("model_not_found", "model")
 
 
+def test_the_formula_model_asked_for_an_image_is_named_as_not_the_image_model(client):
+    """Not "not served here": /v1/models lists it, ready."""
+    formula = next(m.id for m in client.models.list() if m.task == "formula_recognition")
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.images.generate(prompt=PROMPT, model=formula)
+    assert f"{formula!r} is not this server's image model" in openai_error(raised.value)["message"]
+
+
 def test_the_served_image_model_may_be_named(client):
     answer = client.images.generate(
         prompt=PROMPT, model="image", extra_body={"seed": 2, "steps": 1}

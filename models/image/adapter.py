@@ -390,7 +390,9 @@ class ImageGenerator(Model):
             if text is None:
                 continue
             with self._tokenizer_lock:
-                counts[name] = len(tokenizer(text, truncation=False)["input_ids"])
+                # verbose=False: counted, not run, so the library's warning that a
+                # sequence this long would break the model does not apply.
+                counts[name] = len(tokenizer(text, truncation=False, verbose=False)["input_ids"])
             if limit and limit < 1_000_000 and counts[name] > limit:
                 raise InvalidParameter(
                     f"the {name} is {counts[name]} tokens long; this model reads at most {limit}",

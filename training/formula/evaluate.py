@@ -845,6 +845,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="with --school: only these renderers, comma-separated (latex, katex, mathtext)",
     )
     args = parser.parse_args(argv)
+    needed = Path(args.school) / "formulas.txt" if args.school else Path(args.data) / "formulas.tsv"
+    if not needed.is_file():
+        parser.error(
+            f"no {needed}: the evaluation data is not in the repository; give "
+            + (
+                "--school the k12-formulas folder"
+                if args.school
+                else "--data the im2latex-val folder"
+            )
+            + " (training/formula/NOTES.md, 'Data', says what it holds)"
+        )
     renderers = args.renderers.split(",") if args.renderers else None
     if renderers and not set(renderers) <= {s.renderer for s in SCHOOL_STYLES}:
         parser.error(f"--renderers: one of latex, katex, mathtext, not {args.renderers!r}")
