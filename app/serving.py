@@ -73,7 +73,7 @@ class Runtime:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="texel-http")
         self.states = {key: {} for key in self.models}
         for key, model in self.models.items():
-            metrics.count_from_zero(model.name)
+            metrics.series_from_zero(model.name)
             try:
                 await loop.run_in_executor(self.pool, model.open)
             except Exception as exc:

@@ -244,11 +244,16 @@ TORCH_RESERVED = Gauge(
 )
 
 
-def count_from_zero(model: str) -> None:
-    """Create `model`'s rejection series at 0, so that `rate()` and `increase()` see a
-    model's first refusal of each reason, and a dashboard shows 0 rather than no data."""
+def series_from_zero(model: str) -> None:
+    """In an HTTP process: `model`'s rejection series at 0, so that `rate()` and
+    `increase()` see its first refusal of each reason; and its readiness and queue depth
+    at 0, which the engines' values add to (`livemax`, `livesum`), so that while its
+    engine starts again they read 0 (not ready, nothing queued) rather than no data,
+    which an alert on `texel_model_ready == 0` or an autoscaler would not see."""
     for reason in REJECTION_REASONS:
         REJECTED.labels(model, reason)
+    MODEL_READY.labels(model).set(0)
+    QUEUE_DEPTH.labels(model).set(0)
 
 
 def record_allocator(device) -> None:

@@ -503,10 +503,14 @@ def engine_killed(restartable):
         engine.kill()
         killed_at = time.monotonic()
         answered = [future.result() for future in futures]
+    # Once the launcher has seen it die (and dropped the dead engine's metrics), before
+    # the new engine has loaded anything.
+    wait_for(lambda: f"(pid {engine.pid}) exited with code -9" in server.log(10**7))
     return {
         "old_pid": engine.pid,
         "responses": [response for response, _ in answered],
         "waited_s": [at - killed_at for _, at in answered],
+        "metrics_while_down": httpx.get(server.url + "/metrics", timeout=10).text,
         "readiness": readiness_until_ready(server, timeout=120),
     }
 
@@ -517,6 +521,15 @@ def test_requests_in_a_killed_engine_get_503_engine_unavailable_at_once(engine_k
         assert error_code(response) == "engine_unavailable"
         assert response.headers["Retry-After"] == "1"
     assert max(engine_killed["waited_s"]) < 5
+
+
+def test_readiness_and_queue_depth_read_0_while_the_engine_restarts_not_no_data(engine_killed):
+    """What an alert on `texel_model_ready == 0` and an autoscaler on the queue depth
+    look at: the engine's own series went with its process."""
+    text = engine_killed["metrics_while_down"]
+    for model in ("formula", "image"):
+        assert f'texel_model_ready{{model="{model}"}} 0.0' in text, text
+        assert f'texel_queue_depth{{model="{model}"}} 0.0' in text, text
 
 
 def test_readyz_answers_503_while_the_engine_restarts_then_200(engine_killed):
