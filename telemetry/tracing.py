@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 _tracer = trace.get_tracer("texel")
 _provider: TracerProvider | None = None
+FLUSH_S = 3.0  # the longest a process's exit waits for its last spans to be exported
 
 
 def setup_tracing(max_batch_size: int = 128) -> TracerProvider | None:
@@ -45,7 +47,10 @@ def setup_tracing(max_batch_size: int = 128) -> TracerProvider | None:
     # Current HTTP semantic conventions (http.request.method, url.path, ...).
     os.environ.setdefault("OTEL_SEMCONV_STABILITY_OPT_IN", "http")
     limits = SpanLimits(max_links=max(128, max_batch_size))
-    provider = TracerProvider(resource=Resource.create(), span_limits=limits)
+    # Shut down by `shutdown_tracing`, within a bound, not at exit without one.
+    provider = TracerProvider(
+        resource=Resource.create(), span_limits=limits, shutdown_on_exit=False
+    )
     exporter = _exporter_from_env()
     if exporter is not None:
         provider.add_span_processor(BatchSpanProcessor(exporter))
@@ -61,9 +66,21 @@ def add_span_processor(processor: SpanProcessor) -> None:
         provider.add_span_processor(processor)
 
 
-def shutdown_tracing() -> None:
-    if _provider is not None:
-        _provider.force_flush(timeout_millis=5000)
+def shutdown_tracing(timeout_s: float = FLUSH_S) -> None:
+    """Export the spans not yet sent, waiting at most `timeout_s`: a trace backend that
+    does not answer held each process's exit for about 20 s (the exporter's timeout and
+    retries; the SDK's flush does not keep to the time it is given), past the launcher's
+    limit for a drain. Spans still unsent then are dropped, and the log says so."""
+    if _provider is None:
+        return
+    flushing = threading.Thread(target=_provider.shutdown, name="texel-trace-flush", daemon=True)
+    flushing.start()
+    flushing.join(timeout_s)
+    if flushing.is_alive():
+        log.warning(
+            "the trace backend did not take the last spans within %.0f s; they are dropped",
+            timeout_s,
+        )
 
 
 def _exporter_from_env():

@@ -7,6 +7,10 @@ background thread so the SDK's in-memory exporter sees every span it makes.
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -18,7 +22,7 @@ from opentelemetry.trace import StatusCode
 from app.launcher import single_process_app
 from app.settings import Settings
 from telemetry import add_span_processor
-from tests.conftest import formula_png, wait_for
+from tests.conftest import ROOT, formula_png, wait_for
 from tests.server import serving_in_thread
 
 STAGES = ["http.parse", "preprocess", "queue.wait", "generate", "tokenize", "postprocess"]
@@ -177,3 +181,39 @@ def test_the_time_a_request_spent_in_the_engine_for_nothing_is_a_span_with_the_r
     assert engine.status.status_code == StatusCode.ERROR
     assert 0.3 < (engine.end_time - engine.start_time) / 1e9 < 10
     assert not {"queue.wait", "generate"} & {s.name for s in spans}
+
+
+SILENT_BACKEND_EXIT = """
+import time
+from opentelemetry import trace
+from telemetry.tracing import FLUSH_S, setup_tracing, shutdown_tracing
+
+setup_tracing()
+with trace.get_tracer("texel-test").start_as_current_span("a request"):
+    pass
+started = time.monotonic()
+shutdown_tracing()
+print(time.monotonic() - started, FLUSH_S)
+"""
+
+
+def test_a_trace_backend_that_never_answers_holds_an_exit_no_longer_than_the_flush_bound():
+    """It held each process's exit for about 20 s (the exporter's timeout and retries),
+    past the launcher's limit for a drain."""
+    with socket.socket() as silent:  # takes connections (the kernel's backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_SDK_DISABLED": ""}
+        done = subprocess.run(
+            [sys.executable, "-c", SILENT_BACKEND_EXIT],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 0, done.stderr
+    waited_s, bound_s = map(float, done.stdout.split())
+    assert waited_s < bound_s + 1.0, done.stdout
+    assert "the trace backend did not take the last spans" in done.stderr
