@@ -7,7 +7,6 @@ import logging
 import os
 import sys
 
-from app.launcher import serve
 from app.settings import CLIENT_API_KEY, InvalidSettings, Settings, read_settings
 
 KEY_HELP = (
@@ -134,6 +133,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if args.command == "serve":
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # a base image's, a gunicorn habit
+            print(
+                "PROMETHEUS_MULTIPROC_DIR is set: texel serve sets it for its own processes, "
+                "in a folder of its own; unset it",
+                file=sys.stderr,
+            )
+            sys.exit(2)
+        from app.launcher import serve  # here: importing it reads that variable
+
         serve(args.host, args.port, settings_or_exit(serving=True))
     elif args.command == "recognize":
         from app.recognize_cli import run

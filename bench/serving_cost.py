@@ -68,7 +68,7 @@ if os.environ.get(INSTANT):  # here and in every process spawned from `serve_ins
 
 def serve_instant(host: str, port: int) -> None:
     """`texel serve` with every formula batch answered at once (`answer_instantly`)."""
-    from app.cli import serve
+    from app.launcher import serve
 
     serve(host, port)
 

@@ -114,6 +114,26 @@ def test_serve_refuses_a_cuda_device_this_machine_lacks_without_a_traceback():
     assert result.stderr.splitlines() == ["TEXEL_DEVICE=cuda but no CUDA device is available"]
 
 
+def test_serve_refuses_an_inherited_prometheus_multiproc_dir_in_one_line(tmp_path):
+    """A base image's or a gunicorn habit: it gave a 30-line traceback for a folder not
+    there, and metric files left behind in one that is."""
+    for folder in (tmp_path / "missing", tmp_path):
+        result = subprocess.run(
+            [sys.executable, "-m", "app.cli", "serve", "--port", str(free_port())],
+            cwd=ROOT,
+            env={**os.environ, "TEXEL_DEVICE": "cpu", "PROMETHEUS_MULTIPROC_DIR": str(folder)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.splitlines() == [
+            "PROMETHEUS_MULTIPROC_DIR is set: texel serve sets it for its own processes, "
+            "in a folder of its own; unset it"
+        ]
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("port", ["99999", "-1", "eighty"])
 def test_serve_refuses_a_port_outside_0_to_65535_as_a_usage_error(port):
     result = texel_serve("--port", port)
