@@ -73,7 +73,9 @@ def shutdown_tracing(timeout_s: float = FLUSH_S) -> None:
     limit for a drain. Spans still unsent then are dropped, and the log says so."""
     if _provider is None:
         return
-    flushing = threading.Thread(target=_provider.shutdown, name="texel-trace-flush", daemon=True)
+    # A flush, not a shutdown: an in-process server (tests, `texel recognize`) may start
+    # again in the same process, with the same provider.
+    flushing = threading.Thread(target=_provider.force_flush, name="texel-trace-flush", daemon=True)
     flushing.start()
     flushing.join(timeout_s)
     if flushing.is_alive():
