@@ -17,6 +17,7 @@ prometheus_client's multiprocess directory.
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import os
@@ -149,9 +150,11 @@ def run_http_process(
     parent_pid: int,
     index: int,
     connections,
+    beats,
 ) -> None:
     """The entry of an HTTP process: the app, its engines reached over their sockets;
-    it keeps the count of its open connections in slot `index` of `connections`."""
+    it keeps the count of its open connections in slot `index` of `connections`, and in
+    slot `index` of `beats` when its event loop last went round (`time.monotonic()`)."""
     from app.main import build_app
     from app.server import ConnectionShare, TexelServer, uvicorn_config
     from telemetry import setup_logging
@@ -161,6 +164,7 @@ def run_http_process(
     devices = [torch.device(name) for name, _ in engines]
     clients = [RemoteEngine(path, name) for name, path in engines]
     app = build_app(settings, request_models(settings, devices), clients)
+    app.state.runtime.heartbeat = lambda: beats.__setitem__(index, time.monotonic())
     share = ConnectionShare(connections, index)
     server = TexelServer(uvicorn_config(app, settings, share), app.state.runtime)
     server.run(sockets=[reuseport_socket(*address)])
@@ -169,10 +173,14 @@ def run_http_process(
 class _Child:
     """One supervised child process, started again when it dies."""
 
-    def __init__(self, name: str, target, args: tuple) -> None:
+    def __init__(self, name: str, target, args: tuple, beat=None, hang_s: float = 0.0) -> None:
         self.name = name
         self.target = target
         self.args = args
+        # When it last showed life (`beat()`, time.monotonic(), 0 before its first sign),
+        # and how long without one means it hangs: it is then killed and started again.
+        self.beat = beat
+        self.hang_s = hang_s
         self.process: multiprocessing.process.BaseProcess | None = None
         self.started = 0.0
         self.failures = 0
@@ -187,8 +195,20 @@ class _Child:
         self.due = None
 
     def check(self, now: float) -> None:
-        """Restart the process if it died, backing off when it dies at once."""
+        """Restart the process if it died, backing off when it dies at once; kill it
+        first if it hangs (alive, and no sign of life for `hang_s`)."""
         assert self.process is not None
+        if self.process.is_alive() and self.beat is not None and self.due is None:
+            last = self.beat()
+            if last > self.started and now - last > self.hang_s:
+                log.error(
+                    "%s (pid %s) has shown no sign of life for %.0f s; killing it",
+                    self.name,
+                    self.process.pid,
+                    now - last,
+                )
+                self.process.kill()
+                self.process.join(5)
         if self.process.is_alive():
             return
         if self.due is None:
@@ -241,13 +261,19 @@ class Launcher:
             )
             for name, path in engines
         ]
-        # Each HTTP process's open connections, for `app.server.ConnectionShare`.
-        connections = multiprocessing.get_context("spawn").RawArray("i", self.plan.http_processes)
+        # Each HTTP process's open connections, for `app.server.ConnectionShare`, and
+        # when its event loop last went round. A process whose loop stands still for
+        # twice the longest a request may take (stopped, deadlocked) answers nobody.
+        spawn = multiprocessing.get_context("spawn")
+        connections = spawn.RawArray("i", self.plan.http_processes)
+        beats = spawn.RawArray("d", self.plan.http_processes)
         http = [
             _Child(
                 f"texel-http-{i}",
                 run_http_process,
-                (s, address, engines, os.getpid(), i, connections),
+                (s, address, engines, os.getpid(), i, connections, beats),
+                beat=functools.partial(beats.__getitem__, i),
+                hang_s=2 * s.request_timeout_s,
             )
             for i in range(self.plan.http_processes)
         ]

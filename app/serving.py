@@ -62,6 +62,8 @@ class Runtime:
     _inflight: set[asyncio.Future] = field(default_factory=set)  # requests in the engines
     _cut_off: bool = False  # the drain's time is up: what is still in flight gets 503
     _tasks: list[asyncio.Task] = field(default_factory=list)
+    # Called as the event loop goes round (every `FOLLOW_S`): the launcher's sign of life.
+    heartbeat: Callable[[], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -103,6 +105,8 @@ class Runtime:
         """Read the engines' model states; attach what a newly ready model says of itself."""
         frozen = False
         while True:
+            if self.heartbeat is not None:
+                self.heartbeat()
             await self.refresh()
             if not frozen and self.settings.advanced.gc_freeze and self.ready:
                 freeze_heap()

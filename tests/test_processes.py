@@ -483,6 +483,29 @@ def test_a_killed_http_process_is_replaced_and_no_request_fails_meanwhile(restar
     assert re.search(rf"texel-http-\d+ \(pid {victim.pid}\) exited with code -9", server.log(10**7))
 
 
+def test_a_hung_http_process_is_killed_and_replaced(tiny_env):
+    """Stopped (or deadlocked), a process kept its share of the port's connections and
+    answered none of them, and nothing noticed: after twice the request timeout with no
+    sign of life from its event loop, the launcher kills it and starts another."""
+    server = start(tiny_env, TEXEL_IMAGE__ENABLED="false", TEXEL_REQUEST_TIMEOUT_S="2")
+    try:
+        wait_whole(server)
+        first = {p.pid for p in http_processes(server)}
+        victim = http_processes(server)[0]
+        victim.suspend()  # SIGSTOP
+        replacement = new_http_process(server, first, timeout=60)
+        assert gone(victim)
+        assert re.search(
+            rf"texel-http-\d+ \(pid {victim.pid}\) has shown no sign of life for \d+ s",
+            server.log(10**7),
+        )
+        wait_whole(server)
+        assert {p.pid for p in http_processes(server)} == first - {victim.pid} | {replacement}
+        assert recognize(server).status_code == 200
+    finally:
+        server.stop(signal.SIGKILL)
+
+
 @pytest.fixture(scope="module")
 def engine_killed(restartable):
     """Kill the engine while three images wait in its queue, then read /readyz until
