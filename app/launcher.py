@@ -42,6 +42,8 @@ from telemetry.resources import usable_cores
 log = logging.getLogger("texel")
 
 SUPERVISE_S = 0.5
+# Said at start: the models load after the port opens (on a CPU, about a minute).
+LOADING = "loading the models: GET /readyz answers 200 once they are ready"
 # On SIGTERM an HTTP process takes the grace, the drain and then at most
 # `app.server.AFTER_DRAIN_S` to write its last answers; it is killed HTTP_STOP_S past the
 # grace and the drain. An engine is stopped after every HTTP process, when no request is
@@ -140,6 +142,7 @@ def _serve_single(settings: Settings, plan: ProcessPlan, host: str, port: int) -
     from app.server import TexelServer, uvicorn_config
 
     app = single_process_app(settings, plan)
+    log.info("serving in one process (uvicorn says where); %s", LOADING)
     TexelServer(uvicorn_config(app, settings, host=host, port=port), app.state.runtime).run()
 
 
@@ -280,11 +283,12 @@ class Launcher:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
         log.info(
-            "serving on http://%s:%d: %d HTTP processes, engines on %s",
+            "serving on http://%s:%d: %d HTTP processes, engines on %s; %s",
             self.host,
             address[1],
             len(http),
             ", ".join(name for name, _ in engines),
+            LOADING,
         )
         try:
             for child in [*children, *http]:

@@ -234,6 +234,8 @@ def test_health_endpoints_report_live_and_ready(server):
     ready = httpx.get(server.url + "/readyz")
     assert ready.status_code == 200
     assert ready.json()["models"] == {"formula": "ready", "image": "ready"}
+    # Said at start, before the models' own lines: they load after the port opens.
+    assert "loading the models: GET /readyz answers 200 once they are ready" in server.log(10**7)
 
 
 def test_metrics_expose_stage_histograms_batches_and_padding(server):

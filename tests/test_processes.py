@@ -361,6 +361,10 @@ def test_the_http_processes_count_themselves_in_metrics(shared):
     assert [shared.metric("texel_http_processes") for _ in range(4)] == [HTTP_PROCESSES] * 4
 
 
+def test_the_launcher_says_the_models_load_after_the_port_opens(shared):
+    assert "loading the models: GET /readyz answers 200 once they are ready" in shared.log(10**7)
+
+
 def test_requests_answered_by_either_process_add_up_in_metrics(shared):
     before = recognized(shared)
     responses = recognize_many(shared, 12)
