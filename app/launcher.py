@@ -17,6 +17,7 @@ prometheus_client's multiprocess directory.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import multiprocessing
@@ -30,6 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
@@ -42,6 +44,7 @@ from telemetry.resources import usable_cores
 log = logging.getLogger("texel")
 
 SUPERVISE_S = 0.5
+LOCK_FILE = "lock"  # in a server's folder, locked (flock) while its launcher runs
 # Said at start: the models load after the port opens (on a CPU, about a minute).
 LOADING = "loading the models: GET /readyz answers 200 once they are ready"
 # On SIGTERM an HTTP process takes the grace, the drain and then at most
@@ -248,6 +251,7 @@ class Launcher:
         # Mode 0700: the sockets live here. Named after this process, so that a later
         # server can tell it is left over if this one is killed.
         directory = tempfile.mkdtemp(prefix=f"texel-{os.getpid()}-")
+        held = hold_folder(directory)
         metrics_dir = os.path.join(directory, "metrics")
         os.mkdir(metrics_dir)
         # Inherited by every child; read by prometheus_client when it is imported there.
@@ -306,6 +310,7 @@ class Launcher:
             holder.close()
             claim.close()
             shutil.rmtree(directory, ignore_errors=True)
+            held.close()
 
     def _claim_port(self) -> tuple[socket.socket, socket.socket]:
         """The port, held (bound, never listening, so it takes no connections) while
@@ -367,16 +372,43 @@ def shutdown_limit_s(settings: Settings) -> float:
     return settings.shutdown_grace_s + settings.drain_timeout_s + HTTP_STOP_S + ENGINE_STOP_S
 
 
+def hold_folder(folder: str) -> TextIO:
+    """Take the lock of a server's `folder` for as long as the returned file stays open
+    (the kernel lets go of it when the process ends, however it ends)."""
+    lock = open(os.path.join(folder, LOCK_FILE), "w")  # noqa: SIM115 - held until closed
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return lock
+
+
 def remove_orphans(parent: str) -> None:
     """Remove the folders that killed servers left in `parent` (a launcher SIGKILLed
-    cannot clean up; its children exit with it): `texel-PID-*` whose PID is gone."""
+    cannot clean up; its children exit with it): `texel-PID-*` whose lock no process
+    holds. A PID alone would not say: in another container sharing the folder, a live
+    server's PID is not visible. A folder without a lock (just made, or an older
+    Texel's) goes by its PID."""
     for folder in Path(parent).glob("texel-*-*"):
         pid = folder.name.split("-")[1]
         if not pid.isdigit() or not folder.is_dir():
             continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if _orphaned(folder, int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
-        except PermissionError:  # alive, another user's
-            pass
+
+
+def _orphaned(folder: Path, pid: int) -> bool:
+    try:
+        with open(folder / LOCK_FILE) as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # let go as it closes
+            return True
+    except BlockingIOError:  # held: its server runs
+        return False
+    except FileNotFoundError:
+        pass
+    except OSError:  # not ours to read: another user's
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        pass
+    return False

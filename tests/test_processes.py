@@ -257,21 +257,31 @@ def test_a_second_server_on_the_port_is_refused_not_handed_half_its_connections(
 
 
 def test_a_new_server_removes_the_folders_of_killed_ones_and_only_those(tmp_path):
-    from app.launcher import remove_orphans
+    from app.launcher import hold_folder, remove_orphans
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     orphan = tmp_path / f"texel-{gone.pid}-x1"  # its launcher was SIGKILLed
     running = tmp_path / f"texel-{os.getpid()}-x2"
-    for folder in (orphan, running):
+    # A live server in another container: its PID is none of ours, its lock is held.
+    elsewhere = tmp_path / f"texel-{gone.pid}-x3"
+    # A dead server whose PID has been reused by another process: its lock is free.
+    reused = tmp_path / f"texel-{os.getpid()}-x4"
+    unlocked = tmp_path / f"texel-{gone.pid}-x5"  # an older Texel's: no lock, PID gone
+    for folder in (orphan, running, elsewhere, reused, unlocked):
         (folder / "metrics").mkdir(parents=True)
+    held = [hold_folder(str(folder)) for folder in (running, elsewhere)]
+    (orphan / "lock").touch()
+    (reused / "lock").touch()
     log = tmp_path / "texel-test-8000.log"
     log.write_text("not a server's folder")
 
     remove_orphans(str(tmp_path))
 
-    assert not orphan.exists()
-    assert running.exists() and log.exists()
+    assert not orphan.exists() and not reused.exists() and not unlocked.exists()
+    assert running.exists() and elsewhere.exists() and log.exists()
+    for lock in held:
+        lock.close()
 
 
 def test_connection_share_lets_go_of_what_is_over_an_eighth_above_the_even_split():
