@@ -35,15 +35,16 @@ class RecognizeError(Exception):
     """Why a whole run cannot go on: no images, no server, no model."""
 
 
-def find_images(paths: Iterable[str | Path]) -> list[Path]:
+def find_images(paths: Iterable[str | Path], passed_over: list[Path] | None = None) -> list[Path]:
     """The files named, and the images under the folders named (recursively), in order
-    and each once."""
+    and each once; the other files of those folders go to `passed_over`."""
     found: dict[Path, Path] = {}
     for given in map(Path, paths):
         if given.is_dir():
-            candidates = sorted(
-                p for p in given.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
-            )
+            files = sorted(p for p in given.rglob("*") if p.is_file())
+            candidates = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES]
+            if passed_over is not None:
+                passed_over += [p for p in files if p.suffix.lower() not in IMAGE_SUFFIXES]
         elif given.exists():
             candidates = [given]
         else:
@@ -360,9 +361,17 @@ def run(
             return stop(f"--out {out}: there is no folder {sink_path.parent}")
         folder = sink_path.parent.resolve()
     try:
-        images = find_images(paths)
+        passed_over: list[Path] = []
+        images = find_images(paths, passed_over)
     except RecognizeError as exc:
         return stop(str(exc))
+    if passed_over:
+        kinds = ", ".join(sorted(IMAGE_SUFFIXES))
+        print(
+            f"passed over {len(passed_over)} file(s) of the folders that are not {kinds} "
+            f"(such as {passed_over[0]}); name one to send it anyway",
+            file=sys.stderr,
+        )
     failed_before = 0  # images left as they are whose last line is an error
     if sink_path is not None:
         last = last_lines(sink_path)

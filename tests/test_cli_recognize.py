@@ -74,6 +74,8 @@ def test_through_a_server_every_image_has_a_line_and_the_broken_one_its_error(
     out = tmp_path / "results.jsonl"
     done = texel_recognize(str(folder), "--out", str(out), "--url", server.url)
     assert done.returncode == 1, done.stderr  # some image failed
+    assert "passed over 1 file(s) of the folders that are not" in done.stderr
+    assert f"(such as {folder / 'notes.txt'})" in done.stderr
     records = by_name(out, folder)
     assert set(records) == {*GOOD, "broken.png"}
     for name in GOOD:
