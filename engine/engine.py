@@ -38,7 +38,7 @@ from engine.sharing import (
     TorchCuda,
     lane_attributes,
 )
-from models.base import DeviceRunner, Model, log_load_failure
+from models.base import DeviceRunner, Model, load_failure, log_load_failure
 from telemetry import BatchTelemetry, metrics
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,7 @@ class Engine:
         plan = served.plan
         served.started = time.perf_counter()
         loop = asyncio.get_running_loop()
+        model = None
         try:
             model = plan.build()
             metrics.MODEL_READY.labels(model.name).set(0)  # loading; stays 0 if it fails
@@ -149,8 +150,11 @@ class Engine:
             runner = model.runner(self.device)
             description = model.describe()
         except Exception as exc:
-            served.state = ModelState("failed", f"{type(exc).__name__}: {exc}")
-            log_load_failure(log, exc, "could not load the %s model on %s", plan.key, self.name)
+            source = model.source if model is not None else None
+            served.state = ModelState("failed", load_failure(exc, source))
+            log_load_failure(
+                log, exc, "could not load the %s model on %s", plan.key, self.name, source=source
+            )
             return None
         return functools.partial(self._serve, served, model, runner, description, lane, thread)
 

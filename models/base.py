@@ -23,9 +23,11 @@ A new model family is one subclass here and one entry in the settings.
 from __future__ import annotations
 
 import logging
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -34,13 +36,30 @@ ShouldStop = Callable[[], bool]
 Stage = tuple[str, Callable[[Any], Any]]
 
 
-def log_load_failure(log: logging.Logger, exc: BaseException, message: str, *args: Any) -> None:
+def load_failure(exc: BaseException, source: str | None = None) -> str:
+    """Why a model from `source` could not be opened or loaded, in one line. A hub id not
+    in the local cache while `HF_HUB_OFFLINE` is set is said in Texel's terms: the hub
+    library's own message advises an argument (`local_files_only`) a Texel user does not
+    pass, and a stack trace it does not show."""
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    if isinstance(exc, OSError) and offline and source and not Path(source).exists():
+        return (
+            f"{source} is neither a local folder nor in this machine's Hugging Face cache, "
+            f"and HF_HUB_OFFLINE is set: download it where there is network (hf download "
+            f"{source}) into this cache, or give a local folder"
+        )
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
+def log_load_failure(
+    log: logging.Logger, exc: BaseException, message: str, *args: Any, source: str | None = None
+) -> None:
     """Log why a model could not be opened or loaded. Files that are missing or cannot be
     fetched (`from_pretrained` raises OSError for a folder without them and for a hub id
-    out of reach) are the user's to fix and their message says what: one line. Anything
-    else may be Texel's bug: with its traceback."""
+    out of reach) are the user's to fix and their message says what: one line
+    (`load_failure`). Anything else may be Texel's bug: with its traceback."""
     if isinstance(exc, OSError):
-        log.error(message + ": %s", *args, " ".join(str(exc).split()))
+        log.error(message + ": %s", *args, load_failure(exc, source))
     else:
         log.exception(message, *args)
 

@@ -270,6 +270,34 @@ async def test_a_model_that_fails_to_load_leaves_the_others_ready_on_a_cpu() -> 
     await engine.close()
 
 
+class NotCached(Doubler):
+    """A hub model this machine has not cached, as `from_pretrained` fails offline."""
+
+    def load(self, device) -> None:
+        raise OSError(
+            "We couldn't connect to 'https://huggingface.co' to load the files, and couldn't "
+            "find them in the cached files. ... pass 'local_files_only=False' as input."
+        )
+
+
+async def test_a_hub_model_not_cached_offline_is_reported_in_texels_terms(monkeypatch) -> None:
+    """Not the hub library's advice (an argument no Texel user passes, a stack trace
+    nobody is shown): where to get the model."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    engine = Engine(CPU, [ModelPlan("double", NotCached, 8, 0.01, 16)])
+    await engine.start()
+    error = engine.states()["double"].error
+    assert error.startswith("doubler is neither a local folder nor in this machine's Hugging")
+    assert "HF_HUB_OFFLINE is set: download it where there is network (hf download" in error
+    assert "local_files_only" not in error
+    await engine.close()
+    monkeypatch.delenv("HF_HUB_OFFLINE")  # online, the library's own words stand
+    engine = Engine(CPU, [ModelPlan("double", NotCached, 8, 0.01, 16)])
+    await engine.start()
+    assert engine.states()["double"].error.startswith("OSError: We couldn't connect")
+    await engine.close()
+
+
 async def test_the_local_client_answers_like_the_engine() -> None:
     model = Doubler()
     client = LocalEngine(Engine(CPU, [plan(model)]))
