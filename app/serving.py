@@ -62,7 +62,8 @@ class Runtime:
     _inflight: set[asyncio.Future] = field(default_factory=set)  # requests in the engines
     _cut_off: bool = False  # the drain's time is up: what is still in flight gets 503
     _tasks: list[asyncio.Task] = field(default_factory=list)
-    # Called as the event loop goes round (every `FOLLOW_S`): the launcher's sign of life.
+    # Called as the event loop goes round (every `FOLLOW_S`, `_beat`): the launcher's
+    # sign of life.
     heartbeat: Callable[[], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------
@@ -89,6 +90,15 @@ class Runtime:
         await self._first_look(FIRST_LOOK_S)
         metrics.HTTP_PROCESSES.set(1)
         self._tasks.append(loop.create_task(self._follow()))
+        if self.heartbeat is not None:
+            self._tasks.append(loop.create_task(self._beat()))
+
+    async def _beat(self) -> None:
+        """Show the launcher that this process's event loop goes round, whatever the
+        engines are doing (`_follow` may wait seconds for a busy one)."""
+        while True:
+            self.heartbeat()
+            await asyncio.sleep(FOLLOW_S)
 
     async def _first_look(self, timeout_s: float) -> None:
         """Read the engines' states once before uvicorn takes connections. A process that
@@ -107,8 +117,6 @@ class Runtime:
         """Read the engines' model states; attach what a newly ready model says of itself."""
         frozen = False
         while True:
-            if self.heartbeat is not None:
-                self.heartbeat()
             await self.refresh()
             if not frozen and self.settings.advanced.gc_freeze and self.ready:
                 freeze_heap()
