@@ -37,7 +37,7 @@ import torch
 
 from app.settings import Settings
 from engine import Engine, LocalEngine, ModelPlan, RemoteEngine
-from engine.process import exit_with_parent, run_engine
+from engine.process import exit_with_parent, name_process, run_engine
 from models.devices import resolve_devices
 from telemetry.resources import usable_cores
 
@@ -166,6 +166,7 @@ def run_http_process(
     from telemetry import setup_logging
 
     exit_with_parent(parent_pid)
+    name_process(f"texel-http-{index}")
     setup_logging(settings.log_format, settings.log_level)
     devices = [torch.device(name) for name, _ in engines]
     clients = [RemoteEngine(path, name) for name, path in engines]

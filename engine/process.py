@@ -9,6 +9,8 @@ ones and exits; when its launcher dies it exits too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import faulthandler
 import gc
 import logging
@@ -40,6 +42,16 @@ def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="texel-parent-watch", daemon=True).start()
+
+
+PR_SET_NAME = 15  # prctl(2)
+
+
+def name_process(name: str) -> None:
+    """The name `ps -o comm`, `top` and `htop` show for this process (Linux; at most 15
+    bytes), where its command line is the same for every child (multiprocessing's)."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux
+        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 class EngineServer:
@@ -146,6 +158,7 @@ def run_engine(
     from telemetry import setup_logging, setup_tracing, shutdown_tracing
 
     exit_with_parent(parent_pid)
+    name_process(f"texel-{device}")
     # Ctrl-C in a terminal reaches every process of the group at once; the engine stops
     # only when the launcher says so, after the HTTP processes have finished.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -371,6 +371,12 @@ def test_the_http_processes_count_themselves_in_metrics(shared):
     assert [shared.metric("texel_http_processes") for _ in range(4)] == [HTTP_PROCESSES] * 4
 
 
+def test_ps_tells_the_processes_apart(shared):
+    """Every child's command line is multiprocessing's; its name says what it is."""
+    assert sorted(p.name() for p in http_processes(shared)) == ["texel-http-0", "texel-http-1"]
+    assert engine_process(shared).name() == "texel-cpu"
+
+
 def test_the_launcher_says_the_models_load_after_the_port_opens(shared):
     assert "loading the models: GET /readyz answers 200 once they are ready" in shared.log(10**7)
 
