@@ -183,8 +183,10 @@ def test_continuous_batching_serves_the_same_answers_as_whole_batches(start_serv
     images = [formula_png(text, size=(100 + 60 * i, 48)) for i, text in enumerate(TEXTS * 2)]
     answers = {}
     for continuous in ("true", "false"):
-        server = start_server(
-            TEXEL_FORMULA__ADVANCED__CONTINUOUS=continuous, TEXEL_FORMULA__MAX_BATCH_SIZE="4"
+        server = start_server(  # formulas only: no image model to load and warm up
+            TEXEL_FORMULA__ADVANCED__CONTINUOUS=continuous,
+            TEXEL_FORMULA__MAX_BATCH_SIZE="4",
+            TEXEL_IMAGE__ENABLED="false",
         )
         answers[continuous] = recognize_all(server, images)
         with server.client() as client:
