@@ -87,6 +87,9 @@ def diagnose(url: str, window_s: float, api_key: str | None) -> int:
         f"{verdict['busiest_thread_utilization']:.0%}, gpu "
         f"{'absent' if gpu is None else f'{gpu:.0%}'} over {verdict['window_s']:.1f} s"
     )
+    wait = verdict.get("cpu_wait")
+    if wait:
+        print(f"  threads waited for a core {wait:.0%} of all cores' time")
     lag = verdict.get("event_loop_lag_s")
     if lag is not None:
         print(f"  event loop {lag * 1000:.1f} ms late on average")
@@ -140,9 +143,10 @@ def main(argv: list[str] | None = None) -> None:
                 file=sys.stderr,
             )
             sys.exit(2)
+        settings = settings_or_exit(serving=True)  # before torch: a bad setting fails fast
         from app.launcher import serve  # here: importing it reads that variable
 
-        serve(args.host, args.port, settings_or_exit(serving=True))
+        serve(args.host, args.port, settings)
     elif args.command == "recognize":
         from app.recognize_cli import run
 
