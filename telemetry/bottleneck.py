@@ -2,7 +2,9 @@
 
 Over a window it samples the CPU of every process of the server, the launcher's engine
 and HTTP processes (all cores, and the busiest thread, which catches a saturated
-event loop or GIL), how late the event loop ran its timers
+event loop or GIL), how long their threads waited for a core (Linux's run-queue wait:
+CPU the server wanted and did not get, taken by other programs or by more threads than
+cores), how late the event loop ran its timers
 (which catches threads contending for the GIL, where no one thread is busy), GPU
 utilization, and how the time spent in request stages splits between them; then
 names the quadrant:
@@ -33,6 +35,7 @@ HIGH_CPU = 0.6  # share of all cores
 HIGH_THREAD = 0.85  # share of one core: a single hot thread (event loop, GIL)
 HIGH_GPU = 0.6
 HIGH_LOOP_LAG_S = 0.02  # mean lateness of the event loop's timers
+HIGH_CPU_WAIT = 0.1  # share of all cores' time the server's threads waited for a core
 LOOP_LAG_INTERVAL_S = 0.1
 
 
@@ -99,6 +102,9 @@ class Sample:
     stage_seconds: dict[str, float]
     window_s: float
     event_loop_lag_s: float | None = None  # mean over the window; None: not measured
+    # Time the server's threads were ready to run but waited for a core, as a share of
+    # all cores' time (so it adds to cpu_utilization); None: not measured (not Linux).
+    cpu_wait: float | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,7 @@ class Verdict:
     stage_shares: dict[str, float] = field(default_factory=dict)
     window_s: float = 0.0
     event_loop_lag_s: float | None = None
+    cpu_wait: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -124,8 +131,12 @@ def classify(sample: Sample) -> Verdict:
     dominant = max(shares, key=shares.get) if shares else None
     lag = sample.event_loop_lag_s
     loop_late = lag is not None and lag >= HIGH_LOOP_LAG_S
+    wait = sample.cpu_wait or 0.0
+    # What the server asked of the CPU is what it got plus what it waited for: a server
+    # that a neighbour keeps off the cores is held back by the CPU all the same.
+    cores_short = wait >= HIGH_CPU_WAIT
     cpu_high = (
-        sample.cpu_utilization >= HIGH_CPU
+        sample.cpu_utilization + wait >= HIGH_CPU
         or sample.busiest_thread_utilization >= HIGH_THREAD
         or loop_late
     )
@@ -146,6 +157,11 @@ def classify(sample: Sample) -> Verdict:
     else:
         quadrant = "starved"
         why = "CPU and GPU both idle: too little load, or time goes to waiting (network, disk)"
+    if cores_short:
+        why += (
+            f"; its threads waited for a core {wait:.0%} of all cores' time: other programs "
+            "on this machine, or more busy threads than cores, take the CPU it wants"
+        )
     if loop_late:
         why += (
             f"; the event loop runs {lag * 1000:.0f} ms late: it, or threads holding the GIL, "
@@ -164,6 +180,7 @@ def classify(sample: Sample) -> Verdict:
         stage_shares=shares,
         window_s=sample.window_s,
         event_loop_lag_s=None if lag is None else round(lag, 4),
+        cpu_wait=None if sample.cpu_wait is None else round(sample.cpu_wait, 4),
     )
 
 
@@ -208,6 +225,27 @@ def _thread_times(processes: list[psutil.Process]) -> dict[tuple[int, int], floa
     return times
 
 
+def _run_queue_wait(processes: list[psutil.Process]) -> dict[tuple[int, int], float] | None:
+    """Seconds each thread has waited for a core while ready to run, from Linux's
+    /proc/PID/task/TID/schedstat (run time, wait time, time slices; nanoseconds).
+    None where the kernel does not keep it."""
+    times = {}
+    for process in processes:
+        try:
+            tasks = os.listdir(f"/proc/{process.pid}/task")
+        except OSError:
+            if not os.path.exists("/proc/self/schedstat"):
+                return None
+            continue  # exited meanwhile
+        for task in tasks:
+            try:
+                with open(f"/proc/{process.pid}/task/{task}/schedstat") as stat:
+                    times[(process.pid, int(task))] = int(stat.read().split()[1]) / 1e9
+            except (OSError, IndexError, ValueError):
+                continue
+    return times if times or os.path.exists("/proc/self/schedstat") else None
+
+
 def _delta(after: dict, before: dict) -> dict:
     """Per key, what was spent between two readings (all of it for a key that is new)."""
     return {key: value - before.get(key, 0.0) for key, value in after.items()}
@@ -240,6 +278,7 @@ class BottleneckSampler:
         start = time.monotonic()
         family = _family(self._process)
         cpu0, threads0 = _cpu_times(family), _thread_times(family)
+        wait0 = _run_queue_wait(family)
         stages0, lag0 = await self._totals()
         gpu_samples: list[float] = []
         while time.monotonic() - start < window_s:
@@ -250,6 +289,7 @@ class BottleneckSampler:
         elapsed = max(time.monotonic() - start, 1e-6)
         family = _family(self._process)
         cpu1, threads1 = _cpu_times(family), _thread_times(family)
+        wait1 = _run_queue_wait(family)
         stages1, lag1 = await self._totals()
         lag_count = lag1[1] - lag0[1]
         busiest = max(_delta(threads1, threads0).values(), default=0.0) / elapsed
@@ -261,6 +301,11 @@ class BottleneckSampler:
             stage_seconds={k: v for k, v in deltas.items() if v > 0},
             window_s=round(elapsed, 3),
             event_loop_lag_s=(lag1[0] - lag0[0]) / lag_count if lag_count else None,
+            cpu_wait=(
+                None
+                if wait0 is None or wait1 is None
+                else sum(_delta(wait1, wait0).values()) / (elapsed * cores)
+            ),
         )
 
     async def _totals(self) -> tuple[dict[str, float], tuple[float, float]]:

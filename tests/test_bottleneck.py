@@ -106,7 +106,49 @@ def test_a_cpu_heavy_model_is_diagnosed_cpu_bound_in_preprocess():
     verdict = run_while_sampling(cpu_heavy_model, lambda: 0.05, FakeStages())
     assert verdict.quadrant == "cpu_bound", verdict
     assert verdict.dominant_stage == "preprocess"
-    assert verdict.cpu_utilization > 0.6
+    # What it got of the cores, and what it waited for while other programs had them.
+    assert verdict.cpu_utilization + (verdict.cpu_wait or 0.0) > 0.6
+
+
+def test_threads_kept_off_the_cores_count_as_cpu_the_server_wanted():
+    """Twice as many busy threads as cores: each waits for a core about half the time,
+    which Linux's run-queue wait shows, whoever else shares the machine."""
+    if not os.path.exists("/proc/self/schedstat"):
+        pytest.skip("this kernel keeps no run-queue wait")
+
+    def oversubscribed(stop: threading.Event, stages: FakeStages) -> None:
+        data = os.urandom(1 << 20)
+
+        def burn() -> None:
+            while not stop.is_set():
+                zlib.compress(data, 6)
+
+        threads = [threading.Thread(target=burn) for _ in range(2 * usable_cores())]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    stop = threading.Event()
+    worker = threading.Thread(target=oversubscribed, args=(stop, FakeStages()))
+    worker.start()
+    try:
+        sampler = BottleneckSampler(lambda: None, FakeStages(), loop_lag=lambda: (0, 0))
+        sample = asyncio.run(sampler.sample(window_s=1.0, interval_s=0.2))
+    finally:
+        stop.set()
+        worker.join()
+    assert sample.cpu_wait is not None and sample.cpu_wait >= 0.2, sample
+
+
+def test_a_server_a_neighbour_keeps_off_the_cores_is_cpu_bound_and_told_so():
+    # Its threads ran on 30% of the cores and waited for them another 40%.
+    held_back = Sample(0.3, 0.3, None, {"preprocess": 1.0}, 10.0, cpu_wait=0.4)
+    verdict = classify(held_back)
+    assert verdict.quadrant == "cpu_bound" and verdict.cpu_wait == 0.4
+    assert "waited for a core 40%" in verdict.explanation
+    # The same CPU without the wait is a server with too little to do.
+    assert classify(Sample(0.3, 0.3, None, {"preprocess": 1.0}, 10.0)).quadrant == "starved"
 
 
 def test_a_compute_heavy_model_is_diagnosed_gpu_bound_in_generate():
