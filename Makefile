@@ -39,8 +39,11 @@ lock:
 run: install
 	$(VENV)/bin/texel serve --host $(HOST) --port $(PORT)
 
+# Two workers, each taking whole test files (a file's servers are module fixtures): most
+# tests wait on servers and sockets, so two keep a 2-core machine busy.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 lint: install
 	$(VENV)/bin/ruff check .
