@@ -20,7 +20,7 @@ def quiet_third_party() -> None:
     transformers says twice that it falls back to its PIL image processors without
     torchvision, which Texel never installs. Matched by its logger and its own text, so
     any other message still shows. Run at import, so the engine and HTTP processes the
-    launcher spawns (which import this module again) are quiet too."""
+    launcher starts (which import this module again) are quiet too."""
     logging.getLogger("transformers.utils.import_utils").addFilter(
         lambda record: "requires torchvision (not installed)" not in record.getMessage()
     )

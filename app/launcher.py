@@ -53,6 +53,10 @@ LOADING = "loading the models: GET /readyz answers 200 once they are ready"
 # left waiting for it: what it still runs is nobody's, and it is killed ENGINE_STOP_S on.
 HTTP_STOP_S = 5.0
 ENGINE_STOP_S = 5.0
+# Children are forked from a fork server: a process started afresh (never forked from
+# the launcher, which may hold CUDA state) that imports what every child needs once.
+CONTEXT = multiprocessing.get_context("forkserver")
+CONTEXT.set_forkserver_preload(["app.preload"])
 
 
 @dataclass(frozen=True)
@@ -194,9 +198,7 @@ class _Child:
         self.due: float | None = None  # a restart waiting out its backoff
 
     def start(self) -> None:
-        # spawn: forking a process that may hold CUDA state is unsafe
-        context = multiprocessing.get_context("spawn")
-        self.process = context.Process(target=self.target, args=self.args, name=self.name)
+        self.process = CONTEXT.Process(target=self.target, args=self.args, name=self.name)
         self.process.start()
         self.started = time.monotonic()
         self.due = None
@@ -272,9 +274,8 @@ class Launcher:
         # Each HTTP process's open connections, for `app.server.ConnectionShare`, and
         # when its event loop last went round. A process whose loop stands still for
         # twice the longest a request may take (stopped, deadlocked) answers nobody.
-        spawn = multiprocessing.get_context("spawn")
-        connections = spawn.RawArray("i", self.plan.http_processes)
-        beats = spawn.RawArray("d", self.plan.http_processes)
+        connections = CONTEXT.RawArray("i", self.plan.http_processes)
+        beats = CONTEXT.RawArray("d", self.plan.http_processes)
         http = [
             _Child(
                 f"texel-http-{i}",

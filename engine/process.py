@@ -1,6 +1,7 @@
 """An engine process: one `Engine` on one device, served on a Unix socket.
 
-The launcher starts one per GPU (spawned, never forked: it may hold CUDA state). Every
+The launcher starts one per GPU (from its fork server, never forked from the launcher
+itself: it may hold CUDA state). Every
 HTTP process connects to it; each connection carries that process's requests
 (`engine.protocol`). On SIGTERM the engine refuses new requests, finishes the queued
 ones and exits; when its launcher dies it exits too.
@@ -22,6 +23,7 @@ import time
 from typing import Any
 
 import msgspec
+import psutil
 import torch
 
 from batching import CUT_OFF
@@ -33,11 +35,22 @@ log = logging.getLogger(__name__)
 
 
 def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
-    """In a child process: end it once the process that started it is gone (killed
-    outright, its children would otherwise live on, orphaned)."""
+    """In a child process: end it once the launcher that started it is gone (killed
+    outright, its children would otherwise live on, orphaned). A child is forked by the
+    launcher's fork server, so the launcher is watched itself: gone, or a zombie."""
+    try:
+        launcher = psutil.Process(parent_pid)  # is_running() also sees a reused pid
+    except psutil.NoSuchProcess:
+        os._exit(0)
+
+    def alive() -> bool:
+        try:
+            return launcher.is_running() and launcher.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
+        while alive():
             time.sleep(poll_s)
         os._exit(0)
 

@@ -44,13 +44,13 @@ HTTP_PROCESSES = 2
 
 def _children(server: ServerProcess) -> list[psutil.Process]:
     try:
-        return psutil.Process(server.process.pid).children()
+        return psutil.Process(server.process.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
 
 
 def http_processes(server: ServerProcess) -> list[psutil.Process]:
-    """The launcher's children listening on the server's port: its HTTP processes."""
+    """The launcher's processes listening on the server's port: its HTTP processes."""
     found = []
     for child in _children(server):
         try:
@@ -63,7 +63,7 @@ def http_processes(server: ServerProcess) -> list[psutil.Process]:
 
 
 def engine_process(server: ServerProcess) -> psutil.Process | None:
-    """The launcher's child serving the engine's Unix socket."""
+    """The launcher's process serving the engine's Unix socket."""
     for child in _children(server):
         try:
             sockets = child.net_connections("unix")
@@ -376,6 +376,8 @@ def test_ps_tells_the_processes_apart(shared):
     """Every child's command line is multiprocessing's; its name says what it is."""
     assert sorted(p.name() for p in http_processes(shared)) == ["texel-http-0", "texel-http-1"]
     assert engine_process(shared).name() == "texel-cpu"
+    # The engine and HTTP processes are forked by the launcher's fork server.
+    assert engine_process(shared).parent().name() == "texel-fork"
 
 
 def test_the_launcher_says_the_models_load_after_the_port_opens(shared):
@@ -630,3 +632,12 @@ def test_sigterm_answers_every_accepted_request_then_exits_0_leaving_nothing_beh
     assert server.process.wait(signalled + GRACE_S + DRAIN_S - time.monotonic()) == 0
     wait_for(lambda: all(gone(child) for child in children), timeout=5)
     assert not workdir.exists()
+
+
+def test_a_killed_launcher_leaves_no_process_behind(shared):
+    """Last of the shared server's tests: SIGKILL gives the launcher no chance to stop
+    anything, and its fork server, engine and HTTP processes still end by themselves."""
+    processes = psutil.Process(shared.process.pid).children(recursive=True)
+    assert {p.name() for p in processes} >= {"texel-fork", "texel-cpu", "texel-http-0"}
+    shared.process.kill()  # not waited for yet: a zombie is gone all the same
+    wait_for(lambda: all(gone(p) for p in processes), timeout=10)
