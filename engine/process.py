@@ -36,8 +36,12 @@ log = logging.getLogger(__name__)
 
 def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
     """In a child process: end it once the launcher that started it is gone (killed
-    outright, its children would otherwise live on, orphaned). A child is forked by the
-    launcher's fork server, so the launcher is watched itself: gone, or a zombie."""
+    outright, its children would otherwise live on, orphaned), or the fork server that
+    forked it (the launcher, seeing its children end, starts them again from a new one;
+    an orphan would serve beside its replacement)."""
+    parent = os.getppid()  # the fork server
+    with contextlib.suppress(OSError, AttributeError):  # Linux: killed when it dies
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     try:
         launcher = psutil.Process(parent_pid)  # is_running() also sees a reused pid
     except psutil.NoSuchProcess:
@@ -50,14 +54,15 @@ def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
             return False
 
     def watch() -> None:
-        while alive():
+        while os.getppid() == parent and alive():
             time.sleep(poll_s)
         os._exit(0)
 
     threading.Thread(target=watch, name="texel-parent-watch", daemon=True).start()
 
 
-PR_SET_NAME = 15  # prctl(2)
+PR_SET_PDEATHSIG = 1  # prctl(2)
+PR_SET_NAME = 15
 
 
 def name_process(name: str) -> None:

@@ -610,6 +610,26 @@ def test_the_launcher_restarts_a_killed_engine_and_requests_succeed_again(
     assert image.status_code == 200, image.text
 
 
+def test_a_killed_fork_server_takes_its_children_and_the_launcher_starts_them_all_again(
+    restartable,
+):
+    """Children the launcher can no longer see (their fork server, which reports their
+    exit, is gone) would serve beside their replacements: they end with it instead."""
+    server = restartable.server
+    wait_whole(server)
+    launcher = psutil.Process(server.process.pid)
+    fork = next(p for p in launcher.children() if p.name() == "texel-fork")
+    children = fork.children()
+    assert {p.name() for p in children} == {"texel-cpu", "texel-http-0", "texel-http-1"}
+    fork.kill()
+    wait_for(lambda: all(gone(p) for p in children), timeout=5)
+    wait_whole(server)  # two HTTP processes again, from a new fork server
+    assert all(p.pid not in {c.pid for c in children} for p in http_processes(server))
+    wait_for(lambda: readiness(server)[0] == 200, timeout=120)
+    time.sleep(2 * FOLLOW_S)  # every HTTP process has read the engine's state since
+    assert [r.status_code for r in recognize_many(server, 4)] == [200] * 4
+
+
 # Last: it stops the server the tests above share.
 def test_sigterm_answers_every_accepted_request_then_exits_0_leaving_nothing_behind(restartable):
     server = restartable.server
