@@ -28,5 +28,7 @@ for name in LIBRARIES:
         if attribute:
             getattr(loaded, attribute)
 
-with contextlib.suppress(OSError, AttributeError):  # its name in ps and top (Linux)
+# Its name in ps and top (Linux), as `engine.process.name_process` names the children;
+# that module is the project's own, so not imported here.
+with contextlib.suppress(OSError, AttributeError):
     ctypes.CDLL(None).prctl(15, b"texel-fork", 0, 0, 0)  # PR_SET_NAME

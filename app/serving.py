@@ -32,7 +32,7 @@ from engine import (
     EngineUnavailable,
     ModelState,
 )
-from models.base import Model, load_failure, log_load_failure
+from models.base import Model, log_load_failure
 from telemetry import RequestTrace, metrics
 from telemetry.bottleneck import BottleneckSampler, watch_event_loop, watch_garbage_collector
 
@@ -80,8 +80,7 @@ class Runtime:
             try:
                 await loop.run_in_executor(self.pool, model.open)
             except Exception as exc:
-                self._opening[key] = load_failure(exc, model.source)
-                log_load_failure(
+                self._opening[key] = log_load_failure(
                     log, exc, "could not open the %s model's processing", key, source=model.source
                 )
         for engine in self.engines:

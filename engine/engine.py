@@ -38,7 +38,7 @@ from engine.sharing import (
     TorchCuda,
     lane_attributes,
 )
-from models.base import DeviceRunner, Model, load_failure, log_load_failure
+from models.base import DeviceRunner, Model, log_load_failure
 from telemetry import BatchTelemetry, metrics
 
 log = logging.getLogger(__name__)
@@ -151,10 +151,10 @@ class Engine:
             description = model.describe()
         except Exception as exc:
             source = model.source if model is not None else None
-            served.state = ModelState("failed", load_failure(exc, source))
-            log_load_failure(
+            reason = log_load_failure(
                 log, exc, "could not load the %s model on %s", plan.key, self.name, source=source
             )
+            served.state = ModelState("failed", reason)
             return None
         return functools.partial(self._serve, served, model, runner, description, lane, thread)
 

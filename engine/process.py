@@ -34,6 +34,10 @@ from engine.sharing import DEFAULT_SHARING, Sharing
 log = logging.getLogger(__name__)
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2)
+PR_SET_NAME = 15
+
+
 def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
     """In a child process: end it once the launcher that started it is gone (killed
     outright, its children would otherwise live on, orphaned), or the fork server that
@@ -59,10 +63,6 @@ def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="texel-parent-watch", daemon=True).start()
-
-
-PR_SET_PDEATHSIG = 1  # prctl(2)
-PR_SET_NAME = 15
 
 
 def name_process(name: str) -> None:

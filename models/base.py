@@ -53,15 +53,18 @@ def load_failure(exc: BaseException, source: str | None = None) -> str:
 
 def log_load_failure(
     log: logging.Logger, exc: BaseException, message: str, *args: Any, source: str | None = None
-) -> None:
-    """Log why a model could not be opened or loaded. Files that are missing or cannot be
-    fetched (`from_pretrained` raises OSError for a folder without them and for a hub id
-    out of reach) are the user's to fix and their message says what: one line
-    (`load_failure`). Anything else may be Texel's bug: with its traceback."""
+) -> str:
+    """Log why a model could not be opened or loaded, and return it in one line
+    (`load_failure`), for the model's state. Files that are missing or cannot be fetched
+    (`from_pretrained` raises OSError for a folder without them and for a hub id out of
+    reach) are the user's to fix and their message says what: that line. Anything else
+    may be Texel's bug: with its traceback."""
+    reason = load_failure(exc, source)
     if isinstance(exc, OSError):
-        log.error(message + ": %s", *args, load_failure(exc, source))
+        log.error(message + ": %s", *args, reason)
     else:
         log.exception(message, *args)
+    return reason
 
 
 class BatchRun(Protocol):

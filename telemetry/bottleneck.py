@@ -229,21 +229,21 @@ def _run_queue_wait(processes: list[psutil.Process]) -> dict[tuple[int, int], fl
     """Seconds each thread has waited for a core while ready to run, from Linux's
     /proc/PID/task/TID/schedstat (run time, wait time, time slices; nanoseconds).
     None where the kernel does not keep it."""
+    if not os.path.exists("/proc/self/schedstat"):
+        return None
     times = {}
     for process in processes:
         try:
             tasks = os.listdir(f"/proc/{process.pid}/task")
-        except OSError:
-            if not os.path.exists("/proc/self/schedstat"):
-                return None
-            continue  # exited meanwhile
+        except OSError:  # exited meanwhile
+            continue
         for task in tasks:
             try:
                 with open(f"/proc/{process.pid}/task/{task}/schedstat") as stat:
                     times[(process.pid, int(task))] = int(stat.read().split()[1]) / 1e9
-            except (OSError, IndexError, ValueError):
+            except (OSError, IndexError, ValueError):  # exited meanwhile
                 continue
-    return times if times or os.path.exists("/proc/self/schedstat") else None
+    return times
 
 
 def _delta(after: dict, before: dict) -> dict:
