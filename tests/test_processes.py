@@ -8,7 +8,8 @@ launcher is told to stop.
 
 A server costs seconds of CPU to start, so the file starts two, side by side: the
 read-only checks share one; the tests that kill a process share the other, each leaving
-it whole again, and the last test stops it.
+it whole again, and the last test stops it. The heartbeat test starts a third of its
+own, for its short request timeout.
 """
 
 from __future__ import annotations
@@ -533,6 +534,51 @@ def test_a_child_that_shows_no_life_for_its_hang_time_is_killed_and_started_agai
         for process in (first, child.process):
             if process.is_alive():
                 process.kill()
+
+
+def test_a_stopped_http_process_is_replaced_for_its_silence_and_a_beating_one_is_kept(
+    tiny_env,
+):
+    """The test above checks the launcher against a child made to look hung; nothing
+    checked that a real HTTP process beats at all (`run_http_process` hands its `Runtime`
+    the launcher's slot). Here, on a server of its own whose hang time is 6 s (twice a
+    3 s request timeout), one HTTP process SIGSTOPped is killed for its silence and
+    replaced, while the other, whose event loop goes round, is left as it was."""
+    request_timeout_s = 3.0
+    hang_s = 2 * request_timeout_s
+    server = start(
+        tiny_env,
+        TEXEL_REQUEST_TIMEOUT_S=str(request_timeout_s),
+        TEXEL_IMAGE__ENABLED="false",  # one model: a cheaper start
+    )
+    victim = None
+    try:
+        wait_whole(server)
+        wait_for(lambda: readiness(server)[0] == 200, timeout=120)
+        healthy, victim = sorted(http_processes(server), key=lambda p: p.name())
+        name = victim.name()
+        victim.suspend()  # SIGSTOP: alive, holding its socket, its event loop still
+        stopped = time.monotonic()
+        # Not a request meanwhile: the kernel may hand its connection to the stopped one.
+        deadline = stopped + hang_s + 30
+        while not gone(victim):
+            assert time.monotonic() < deadline, f"{name} not killed:\n{server.log()}"
+            time.sleep(0.05)
+        assert time.monotonic() - stopped > hang_s - 1  # killed for its silence...
+        said = rf"{name} \(pid {victim.pid}\) has shown no sign of life"
+        assert re.search(said, server.log(10**7)), server.log()
+        replacement = new_http_process(server, {healthy.pid, victim.pid}, timeout=120)
+        assert psutil.Process(replacement).name() == name
+        wait_whole(server)
+        # ...while the other went on beating through those seconds, and was kept.
+        assert {p.pid for p in http_processes(server)} == {healthy.pid, replacement}
+        assert healthy.is_running() and healthy.name() == "texel-http-0"
+        assert f"(pid {healthy.pid})" not in server.log(10**7)
+        assert [r.status_code for r in recognize_many(server, 4)] == [200] * 4
+    finally:
+        if victim is not None and not gone(victim):
+            victim.resume()  # SIGCONT: let it stop with the server
+        server.stop()
 
 
 @pytest.fixture(scope="module")
