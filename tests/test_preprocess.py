@@ -117,9 +117,7 @@ def test_decode_refuses_bad_input_with_specific_errors():
 def test_a_spec_round_trips_through_its_preprocessor_config(tmp_path):
     import json
 
-    spec = FormulaImageSpec(
-        height=48, max_width=768, width_multiple=16, max_upscale=2.0, small_enlarge=2.0
-    )
+    spec = FormulaImageSpec(height=48, max_width=768, width_multiple=16, max_upscale=2.0)
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(spec.to_preprocessor_config()))
     assert FormulaImageSpec.from_pretrained(tmp_path) == spec
 
@@ -482,22 +480,6 @@ def test_a_hidpi_picture_is_brought_to_the_training_scale_not_blown_up():
 def test_a_picture_at_the_training_scale_keeps_the_usual_upscale():
     strip = prepare_strip(_glyphs(1), scaled_spec())
     assert ink_height(strip) == pytest.approx(2.0 * 13, abs=2)
-
-
-def test_a_small_drawing_is_enlarged_only_for_a_model_trained_so():
-    import dataclasses
-
-    from models.formula.preprocess import native_upscale
-
-    small = _glyphs(2).resize((45, 15), Image.Resampling.BOX)  # half the 1x drawing
-    enlarging = dataclasses.replace(scaled_spec(), small_enlarge=2.0)
-    assert native_upscale(small, enlarging) == 4.0
-    assert native_upscale(small, scaled_spec()) == 2.0
-    # At the training scale, and larger, the spec's own rules hold.
-    assert native_upscale(_glyphs(1), enlarging) == 2.0
-    assert native_upscale(_glyphs(2), enlarging) == pytest.approx(1.0, rel=0.2)
-    native = ink_height(prepare_strip(_glyphs(1), scaled_spec()))
-    assert ink_height(prepare_strip(small, enlarging)) == pytest.approx(native, abs=3)
 
 
 def test_stroke_width_measures_strokes_in_pixels():

@@ -8,11 +8,11 @@
 # each takes about MINUTES plus 1.5 minutes of loading and scoring. A call brings back at
 # most 64 MiB, two models: two continuations, or one with CYCLES (its end and fm-mean).
 #   carry: .fd .whlt .rs/pack (bench/device/bundle.sh; the sets are files of .rs/pack)
-#   command: [LR=1e-4] [REAL=0.3] [CYCLES=N] [SMALL_ENLARGE=X] bash bench/device/formula_chain.sh MINUTES SEED
+#   command: [LR=1e-4] [REAL=0.3] [CYCLES=N] bash bench/device/formula_chain.sh MINUTES SEED
 #            SETS [SETS...]
 #   (SETS: one continuation's comma-separated LaTeX-drawn sets; REAL: the real pictures'
 #   share of each batch; CYCLES: each continuation trains with train.py --cycles N, and
-#   the mean of its cycle ends comes back beside it; SMALL_ENLARGE: train.py --small-enlarge)
+#   the mean of its cycle ends comes back beside it)
 #   e.g.:    bash bench/device/formula_chain.sh 3 131 .rs/pack/a.lvl.xz,.rs/pack/b.lvl.xz \
 #                .rs/pack/b.lvl.xz,.rs/pack/c.lvl.xz
 MINUTES=${1:?usage: bash bench/device/formula_chain.sh MINUTES SEED SETS [SETS...]}
@@ -29,8 +29,7 @@ for sets in "$@"; do
     rm -rf /tmp/fm
     INIT=$init TAG=c$n bash bench/device/formula_train.sh 0 "$MINUTES" "${LR:-1e-4}" "${REAL:-0.3}" \
         $((SEED + n - 1)) --school /tmp/d/k12-formulas --rendered "$sets" \
-        --rendered-fraction 0.45 --small-share 0.5 --merges 50 ${CYCLES:+--cycles "$CYCLES"} \
-        ${SMALL_ENLARGE:+--small-enlarge "$SMALL_ENLARGE"}
+        --rendered-fraction 0.45 --small-share 0.5 --merges 50 ${CYCLES:+--cycles "$CYCLES"}
     grep -E "^\| (BLEU|norm|exact)|trained|rc=" "$OUT/c$n.log"
     [ -f /tmp/fm/model.safetensors ] || exit 1
     rm -rf "/tmp/c$n" && cp -r /tmp/fm "/tmp/c$n" && init=/tmp/c$n

@@ -91,10 +91,6 @@ GLYPH_MIN_COUNT = 3
 # Pieces more than this many times wider than tall are cut again, up to this depth.
 GLYPH_WIDE = 2.0
 GLYPH_CUTS = 3
-# A picture whose glyphs are under this share of the training images' height is a small
-# drawing (a low-resolution screenshot: half-size im2latex glyphs measure about 3 px,
-# which 1 in 100 clean renders reach); see `FormulaImageSpec.small_enlarge`.
-SMALL_GLYPHS = 0.55
 
 
 @dataclass(frozen=True)
@@ -123,11 +119,6 @@ class FormulaImageSpec:
     # glyphs are clearly taller are brought down to it whatever their stroke weight (a
     # light font at a large size). None leaves the scale to the stroke width.
     glyph_height: float | None = IM2LATEX_GLYPH_HEIGHT
-    # A small drawing (glyphs under `SMALL_GLYPHS` of `glyph_height`) is enlarged this
-    # many times more than `max_upscale`, so that the encoder sees its glyphs over as
-    # many patches as a native one's; for models trained on pictures so enlarged
-    # (`train.py --small-enlarge`). None: a small drawing keeps the cap.
-    small_enlarge: float | None = None
     # Pictures tilted by up to this many degrees are turned level (0: never).
     max_skew: float = 3.0
     # Encoders with fixed position embeddings (ViT, DeiT: TrOCR-style models) take
@@ -156,7 +147,6 @@ class FormulaImageSpec:
             max_upscale=raw.get("texel_max_upscale"),
             stroke_width=raw.get("texel_stroke_width", cls.stroke_width),
             glyph_height=raw.get("texel_glyph_height", cls.glyph_height),
-            small_enlarge=raw.get("texel_small_enlarge"),
             max_skew=float(raw.get("texel_max_skew", cls.max_skew)),
             fixed_size=fixed_size,
         )
@@ -177,7 +167,6 @@ class FormulaImageSpec:
             "texel_max_upscale": self.max_upscale,
             "texel_stroke_width": self.stroke_width,
             "texel_glyph_height": self.glyph_height,
-            "texel_small_enlarge": self.small_enlarge,
             "texel_max_skew": self.max_skew,
         }
 
@@ -674,10 +663,9 @@ def native_upscale(gray: Image.Image | np.ndarray, spec: FormulaImageSpec) -> fl
     scale, proportionally less for a larger drawing (a HiDPI screenshot), so that its
     strokes end up as thick as the model's training images'; or its glyphs as tall,
     where they say it is larger still and its strokes are not thick enough to say so
-    alone (a light font at a large size). A smaller drawing, whose strokes (under a
-    pixel) cannot tell how much smaller it is, is told by its glyphs being under
-    `SMALL_GLYPHS` of the training images' and gets `spec.small_enlarge` times the cap
-    (where the spec has it; else it keeps the cap)."""
+    alone (a light font at a large size). A smaller drawing keeps the cap: its strokes,
+    under a pixel, cannot tell how much smaller it is, and its glyphs' heights vary too
+    much with what they are."""
     if spec.max_upscale is None or (spec.stroke_width is None and spec.glyph_height is None):
         return spec.max_upscale
     measured = stroke_width(gray)
@@ -688,9 +676,6 @@ def native_upscale(gray: Image.Image | np.ndarray, spec: FormulaImageSpec) -> fl
         height = glyph_height(gray, measured)
         if height and spec.glyph_height / height * min(strokes, 1.0) < GLYPH_TOLERANCE:
             return float(spec.max_upscale) * spec.glyph_height / height
-        small = height and height < SMALL_GLYPHS * spec.glyph_height
-        if small and spec.small_enlarge and strokes >= SCALE_TOLERANCE:
-            return float(spec.max_upscale) * spec.small_enlarge
     if strokes < SCALE_TOLERANCE:
         return float(spec.max_upscale) * strokes  # beyond the training images' own variety
     return spec.max_upscale

@@ -13,21 +13,18 @@ school-mathematics formulas (`training.formula.school`) are rendered beside them
 their tokens join the vocabulary (appended, so a continued model keeps its ids); every batch
 is padded like a server batch. With `--small-share`, a share of the real and
 rendered pictures is also shown smaller (`smaller_copies`), as a screenshot taken at a
-lower resolution gives it; with `--small-enlarge`, such small drawings are read enlarged
-(`FormulaImageSpec.small_enlarge`), in training and by the saved model. With
-`--merges`, the vocabulary gains merged tokens (`learn_merges`: `_ {`, `^ { 2 }`, ...),
-so the model writes a formula in fewer steps; a continued model's new rows start at the
-mean of their parts' rows. With `--cycles`, the schedule restarts and each cycle's end
-is saved, checkpoints to average. At the end the dev split is decoded greedily and
-scored, and the model is saved (fp16 safetensors, tokenizer, preprocessor and generation
-configs).
+lower resolution gives it. With `--merges`, the vocabulary gains merged tokens
+(`learn_merges`: `_ {`, `^ { 2 }`, ...), so the model writes a formula in fewer steps;
+a continued model's new rows start at the mean of their parts' rows. With `--cycles`, the
+schedule restarts and each cycle's end is saved, checkpoints to average. At the end the
+dev split is decoded greedily and scored, and the model is saved (fp16 safetensors,
+tokenizer, preprocessor and generation configs).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import math
 import multiprocessing as mp
@@ -428,14 +425,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         "size, as a second copy (smaller_copies)",
     )
     parser.add_argument(
-        "--small-enlarge",
-        type=float,
-        default=None,
-        help="enlarge pictures whose glyphs are small (a low-resolution screenshot) this "
-        "many times more than the usual cap, in training and in the saved model's "
-        "preprocessing (FormulaImageSpec.small_enlarge); default: the initial model's",
-    )
-    parser.add_argument(
         "--school",
         default="",
         help="k12-formulas folder: render its train formulas too and add their tokens",
@@ -488,9 +477,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     rng = np.random.default_rng(args.seed)
     device = torch.device(args.device)
     spec = default_spec()
-    if args.small_enlarge is None and args.init_from:
-        args.small_enlarge = FormulaImageSpec.from_pretrained(args.init_from).small_enlarge
-    spec = dataclasses.replace(spec, small_enlarge=args.small_enlarge)
     started = time.perf_counter()
     log_file = open(args.log, "a") if args.log else None  # noqa: SIM115 (closed at the end)
 
