@@ -8,7 +8,9 @@ them; a process holding more than its share of them closes one after its next an
 `app.server.ConnectionShare`), each connected to every engine. A request crosses two
 process boundaries: HTTP process to engine and back.
 
-The launcher holds no model and answers no request. It restarts an engine or HTTP
+The launcher holds no model, answers no request and never imports torch: it learns the
+devices from a child of the fork server (`device_names`), and each child builds what it
+serves itself. It restarts an engine or HTTP
 process that dies (an engine's in-flight requests fail with it; HTTP processes
 reconnect), and on SIGTERM stops the HTTP processes first (each finishes its requests,
 the engines still serving) and the engines after. Metrics from every process meet in
@@ -31,15 +33,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-import torch
-
+from app.devices import device_names
 from app.settings import Settings
-from engine import Engine, LocalEngine, ModelPlan, RemoteEngine
-from engine.process import exit_with_parent, name_process, run_engine
-from models.devices import resolve_devices
 from telemetry.resources import usable_cores
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine import ModelPlan
 
 log = logging.getLogger("texel")
 
@@ -63,28 +66,30 @@ CONTEXT.set_forkserver_preload(["app.preload"])
 class ProcessPlan:
     """Which processes serve: one engine per device, `http_processes` HTTP processes."""
 
-    devices: list[torch.device]
+    devices: list[str]  # "cpu" or "cuda:N", as torch names them
     http_processes: int
 
     @property
     def single_process(self) -> bool:
         """One HTTP process on a CPU: the engine runs inside it."""
-        return self.http_processes == 1 and all(d.type == "cpu" for d in self.devices)
+        return self.http_processes == 1 and self.devices == ["cpu"]
 
     @classmethod
     def of(cls, settings: Settings, cores: int | None = None) -> ProcessPlan:
-        devices = resolve_devices(settings.device)
-        if any(device.type == "cpu" for device in devices):
-            devices = [torch.device("cpu")]  # one engine owns the CPU
+        devices = list(device_names(settings.device))
+        if "cpu" in devices:
+            devices = ["cpu"]  # one engine owns the CPU
         http = settings.http_processes
         if http is None:
-            on_gpu = any(device.type == "cuda" for device in devices)
+            on_gpu = devices != ["cpu"]
             http = max(1, min(12, (cores or usable_cores()) * 3 // 4)) if on_gpu else 1
         return cls(devices, http)
 
 
 def model_plans(settings: Settings, devices: list[torch.device]) -> list[ModelPlan]:
     """What every engine serves: each enabled model, built from its settings entry."""
+    from engine import ModelPlan
+
     return [
         ModelPlan(
             key=key,
@@ -136,9 +141,12 @@ def serve(host: str, port: int, settings: Settings | None = None) -> None:
 
 def single_process_app(settings: Settings, plan: ProcessPlan | None = None):
     """The app with its engine inside it, on the plan's first device (a CPU by default)."""
-    from app.main import build_app
+    import torch
 
-    devices = plan.devices if plan is not None else [torch.device("cpu")]
+    from app.main import build_app
+    from engine import Engine, LocalEngine
+
+    devices = [torch.device(name) for name in (plan.devices if plan is not None else ["cpu"])]
     engine = LocalEngine(
         Engine(devices[0], model_plans(settings, devices[:1]), settings.advanced.gpu_sharing)
     )
@@ -153,6 +161,29 @@ def _serve_single(settings: Settings, plan: ProcessPlan, host: str, port: int) -
     TexelServer(uvicorn_config(app, settings, host=host, port=port), app.state.runtime).run()
 
 
+def run_engine_process(
+    settings: Settings, devices: list[str], device: str, path: str, parent_pid: int
+) -> None:
+    """The entry of an engine process: what every engine serves, built here from the
+    settings (the launcher holds no model code), then `engine.process.run_engine`."""
+    import torch
+
+    from engine.process import run_engine
+
+    plans = model_plans(settings, [torch.device(name) for name in devices])
+    s = settings
+    run_engine(
+        device,
+        plans,
+        path,
+        parent_pid,
+        s.log_format,
+        s.log_level,
+        s.drain_timeout_s,
+        s.advanced.gpu_sharing,
+    )
+
+
 def run_http_process(
     settings: Settings,
     address: tuple[str, int],
@@ -165,8 +196,12 @@ def run_http_process(
     """The entry of an HTTP process: the app, its engines reached over their sockets;
     it keeps the count of its open connections in slot `index` of `connections`, and in
     slot `index` of `beats` when its event loop last went round (`time.monotonic()`)."""
+    import torch
+
     from app.main import build_app
     from app.server import ConnectionShare, TexelServer, uvicorn_config
+    from engine import RemoteEngine
+    from engine.process import exit_with_parent, name_process
     from telemetry import setup_logging
 
     exit_with_parent(parent_pid)
@@ -260,14 +295,14 @@ class Launcher:
         # Inherited by every child; read by prometheus_client when it is imported there.
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         os.environ["TEXEL_LAUNCHER_PID"] = str(os.getpid())  # where `texel diagnose` looks
-        engines = [(str(d), os.path.join(directory, f"engine-{i}.sock"))
+        engines = [(d, os.path.join(directory, f"engine-{i}.sock"))
                    for i, d in enumerate(self.plan.devices)]  # fmt: skip
-        plans = model_plans(self.settings, self.plan.devices)
         s = self.settings
-        engine_args = (s.log_format, s.log_level, s.drain_timeout_s, s.advanced.gpu_sharing)
         children = [
             _Child(
-                f"texel-engine-{name}", run_engine, (name, plans, path, os.getpid(), *engine_args)
+                f"texel-engine-{name}",
+                run_engine_process,
+                (s, self.plan.devices, name, path, os.getpid()),
             )
             for name, path in engines
         ]

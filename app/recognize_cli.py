@@ -236,11 +236,12 @@ class LocalRecognizer(Recognizer):
         self.runtime = None
 
     async def __aenter__(self) -> LocalRecognizer:
-        from app.launcher import ProcessPlan, model_plans, request_models
+        from app.launcher import model_plans, request_models
         from app.serving import Runtime
         from engine import Engine, LocalEngine
+        from models.devices import resolve_devices
 
-        devices = ProcessPlan.of(self.settings).devices[:1]
+        devices = resolve_devices(self.settings.device)[:1]
         self.concurrency = self.concurrency or self.settings.formula.batch_size(devices)
         plans = model_plans(self.settings, devices)
         engine = LocalEngine(Engine(devices[0], plans, self.settings.advanced.gpu_sharing))

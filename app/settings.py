@@ -348,13 +348,14 @@ class Settings(BaseSettings):
         that is not there, an enabled model whose `model` is plainly a folder (a hub id
         is `name` or `org/name`) that is not there or a folder without its family's
         files, or no model enabled at all."""
-        from models.devices import resolve_devices
-
         problems = []
-        try:
-            resolve_devices(self.device)
-        except RuntimeError as exc:
-            problems.append(str(exc))
+        if self.device not in ("cpu", "auto"):  # the two that are always there
+            from app.devices import device_names
+
+            try:
+                device_names(self.device)
+            except RuntimeError as exc:
+                problems.append(str(exc))
         for key, entry in self.models().items():
             path = entry.model
             plainly_a_path = path.startswith(("/", "./", "../", "~")) or path.count("/") > 1

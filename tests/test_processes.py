@@ -381,6 +381,16 @@ def test_ps_tells_the_processes_apart(shared):
     assert engine_process(shared).parent().name() == "texel-fork"
 
 
+def test_the_launcher_holds_no_torch(shared):
+    """The launcher plans and supervises; torch is its children's. It imported torch to
+    learn the devices (about 200 MB and 5 CPU-seconds of a process that runs no model)."""
+    launcher = psutil.Process(shared.process.pid)
+    mapped = {m.path for m in launcher.memory_maps()}
+    assert not [path for path in mapped if "libtorch" in path]
+    # The children it serves with do load it: the check above can tell.
+    assert [p for p in {m.path for m in engine_process(shared).memory_maps()} if "libtorch" in p]
+
+
 def test_the_launcher_says_the_models_load_after_the_port_opens(shared):
     assert "loading the models: GET /readyz answers 200 once they are ready" in shared.log(10**7)
 

@@ -14,6 +14,7 @@ from app import launcher
 from app.launcher import ProcessPlan, model_plans
 from app.settings import MODELS_DIR, InvalidSettings, Settings, read_settings, unknown_variables
 from engine import ModelPlan
+from models.devices import resolve_devices
 from tests.conftest import ROOT
 
 CPU = torch.device("cpu")
@@ -197,15 +198,33 @@ def test_a_cuda_device_this_machine_lacks_is_refused(environment):
     ]
 
 
+def test_devices_are_learned_from_torch_in_a_process_of_its_own_where_a_gpu_may_be(
+    monkeypatch, tmp_path
+):
+    from app import devices
+
+    monkeypatch.setattr(devices, "GPU_DRIVER_PATHS", (str(tmp_path / "none"),))
+    devices.device_names.cache_clear()
+    monkeypatch.setattr(devices, "_resolved_names", None)  # never called: no driver
+    assert devices.device_names("auto") == devices.device_names("cpu") == ("cpu",)
+    monkeypatch.undo()
+    # A driver there: torch, in a child, says what `auto` is (this machine's answer).
+    monkeypatch.setattr(devices, "GPU_DRIVER_PATHS", (str(tmp_path),))
+    devices.device_names.cache_clear()
+    expected = tuple(str(d) for d in resolve_devices("auto"))
+    assert devices.device_names("auto") == expected
+    devices.device_names.cache_clear()
+
+
 def test_one_cpu_http_process_serves_with_the_engine_inside():
     plan = ProcessPlan.of(Settings(device="cpu"), cores=16)
-    assert plan == ProcessPlan([CPU], 1)
+    assert plan == ProcessPlan(["cpu"], 1)
     assert plan.single_process
 
 
 def test_a_second_http_process_on_a_cpu_puts_the_engine_in_a_process_of_its_own():
     plan = ProcessPlan.of(Settings(device="cpu", http_processes=2), cores=16)
-    assert plan == ProcessPlan([CPU], 2)
+    assert plan == ProcessPlan(["cpu"], 2)
     assert not plan.single_process
 
 
@@ -214,14 +233,14 @@ def test_with_gpus_there_are_min_12_three_quarters_of_the_cores_http_processes(
     monkeypatch, cores, http
 ):
     # No GPU on CI: the devices "cuda" resolves to are given.
-    monkeypatch.setattr(launcher, "resolve_devices", lambda setting: GPUS)
+    monkeypatch.setattr(launcher, "device_names", lambda setting: ("cuda:0", "cuda:1"))
     plan = ProcessPlan.of(Settings(device="cuda"), cores=cores)
-    assert plan == ProcessPlan(GPUS, http)
+    assert plan == ProcessPlan(["cuda:0", "cuda:1"], http)
     assert not plan.single_process
 
 
 def test_a_set_number_of_http_processes_wins_on_gpus(monkeypatch):
-    monkeypatch.setattr(launcher, "resolve_devices", lambda setting: GPUS)
+    monkeypatch.setattr(launcher, "device_names", lambda setting: ("cuda:0", "cuda:1"))
     assert ProcessPlan.of(Settings(device="cuda", http_processes=3), cores=64).http_processes == 3
     assert ProcessPlan.of(Settings(device="cuda", http_processes=1), cores=64).http_processes == 1
 
