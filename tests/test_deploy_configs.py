@@ -18,7 +18,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -549,7 +548,7 @@ def test_the_pod_asks_for_the_cores_and_gpu_of_its_process_plan(monkeypatch):
     assert settings.device == "cuda"  # every GPU the pod sees: its one
     cores = int(resources["limits"]["cpu"])
     # The plan of a pod with one GPU, computed on this machine, which may have none.
-    monkeypatch.setattr(launcher, "resolve_devices", lambda setting: [torch.device("cuda", 0)])
+    monkeypatch.setattr(launcher, "device_names", lambda setting: ("cuda:0",))
     default = ProcessPlan.of(settings.model_copy(update={"http_processes": None}), cores=cores)
-    assert default.devices == [torch.device("cuda", 0)]
+    assert default.devices == ["cuda:0"]
     assert settings.http_processes == default.http_processes
