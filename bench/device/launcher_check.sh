@@ -4,7 +4,7 @@
 # each process holds; then Texel served at 1 and 128 in flight, 4 HTTP processes.
 # Results: $OUT/bench.log and the bench.compare records in $OUT/$RESULTS.
 #   carry: .whl .whlb .gb (bench/device/bundle.sh); the image model moved out of the tree
-#   command: bash bench/device/launcher_check.sh COMMIT
+#   command: [QUICK=1] bash bench/device/launcher_check.sh COMMIT  (QUICK: the start only)
 COMMIT=${1:?usage: bash bench/device/launcher_check.sh COMMIT} RESULTS=h100.jsonl
 source bench/device/serving_call.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> $L
@@ -28,6 +28,6 @@ ps -o pid,rss,time,comm -p $P --ppid $P >> $L
 ps -o pid,rss,time,comm --ppid "$(pgrep -P $P -f forkserver | head -1)" >> $L 2>&1
 kill -TERM $P; wait $P; echo "serve rc $?" >> $L
 export TEXEL_HTTP_PROCESSES=4
-cmp --servers texel --concurrency 1,128
+[ -n "$QUICK" ] || cmp --servers texel --concurrency 1,128
 echo "=== all done at $(( $(date +%s) - T0 ))s" >> $L
 cat $L
