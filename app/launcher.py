@@ -9,8 +9,8 @@ them; a process holding more than its share of them closes one after its next an
 process boundaries: HTTP process to engine and back.
 
 The launcher holds no model, answers no request and never imports torch: it learns the
-devices from a child of the fork server (`device_names`), and each child builds what it
-serves itself. It restarts an engine or HTTP
+devices from a process of their own (`app.devices.device_names`), and each child builds
+what it serves itself. It restarts an engine or HTTP
 process that dies (an engine's in-flight requests fail with it; HTTP processes
 reconnect), and on SIGTERM stops the HTTP processes first (each finishes its requests,
 the engines still serving) and the engines after. Metrics from every process meet in
@@ -56,8 +56,8 @@ LOADING = "loading the models: GET /readyz answers 200 once they are ready"
 # left waiting for it: what it still runs is nobody's, and it is killed ENGINE_STOP_S on.
 HTTP_STOP_S = 5.0
 ENGINE_STOP_S = 5.0
-# Children are forked from a fork server: a process started afresh (never forked from
-# the launcher, which may hold CUDA state) that imports what every child needs once.
+# Children are forked from a fork server: a process started afresh, holding no CUDA
+# state, that imports what every child needs once (`app.preload`).
 CONTEXT = multiprocessing.get_context("forkserver")
 CONTEXT.set_forkserver_preload(["app.preload"])
 
@@ -170,17 +170,15 @@ def run_engine_process(
 
     from engine.process import run_engine
 
-    plans = model_plans(settings, [torch.device(name) for name in devices])
-    s = settings
     run_engine(
         device,
-        plans,
+        model_plans(settings, [torch.device(name) for name in devices]),
         path,
         parent_pid,
-        s.log_format,
-        s.log_level,
-        s.drain_timeout_s,
-        s.advanced.gpu_sharing,
+        settings.log_format,
+        settings.log_level,
+        settings.drain_timeout_s,
+        settings.advanced.gpu_sharing,
     )
 
 

@@ -1,7 +1,7 @@
 """An engine process: one `Engine` on one device, served on a Unix socket.
 
-The launcher starts one per GPU (from its fork server, never forked from the launcher
-itself: it may hold CUDA state). Every
+The launcher starts one per GPU (forked from its fork server, which holds no CUDA
+state). Every
 HTTP process connects to it; each connection carries that process's requests
 (`engine.protocol`). On SIGTERM the engine refuses new requests, finishes the queued
 ones and exits; when its launcher dies it exits too.
