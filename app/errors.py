@@ -65,6 +65,11 @@ def payload_too_large(limit: int) -> ApiError:
     return ApiError(413, "payload_too_large", f"the request body exceeds {limit} bytes")
 
 
+def too_many_uploads(budget: int) -> ApiError:
+    message = f"this process already holds {budget} bytes of request bodies; retry shortly"
+    return ApiError(503, "too_many_uploads", message, {"Retry-After": "1"})
+
+
 def not_ready(message: str = "the models are still loading") -> ApiError:
     return ApiError(503, "not_ready", message, {"Retry-After": "5"})
 

@@ -21,12 +21,17 @@ from app.errors import (
     malformed,
     payload_too_large,
     request_timeout,
+    too_many_uploads,
     unsupported_media_type,
     validation_error,
 )
 from app.schemas import RecognizeJSON
 
 MULTIPART_OVERHEAD = 64 * 1024
+# The request bodies one HTTP process holds at once, counted in full-size uploads
+# (`max_upload_bytes` each), from the first byte read until the answer: past them a body
+# is refused 503, so that many large uploads, or slow ones, cannot fill its memory.
+BODY_BUDGET_UPLOADS = 32
 # Errors of a JSON body named one by one in its 422; past this many (a body of a
 # million unknown fields) they are counted instead: listing them took seconds of the
 # event loop and answered several times the body's size.
@@ -63,11 +68,18 @@ class BodySizeLimit:
     has been read whole (a refusal) first reads the rest within those bounds, so the
     client gets it on a connection that stays open; past them the connection closes,
     so that the rest of a body, sent slowly or never, cannot hold it open.
+
+    The bodies of all requests in the process share one budget (`BODY_BUDGET_UPLOADS`):
+    a body holds its share, its `Content-Length` or what has come of a chunked one,
+    until its request is answered. A body that would take the process past it is
+    refused 503 `too_many_uploads` before another byte of it is read.
     """
 
     def __init__(self, app: ASGIApp, max_upload_bytes: int) -> None:
         self.app = app
         self.max_upload_bytes = max_upload_bytes
+        self.budget = BODY_BUDGET_UPLOADS * max_upload_bytes
+        self.held = 0  # bytes of the budget the bodies of requests in flight hold
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = dict(scope["headers"]) if scope["type"] == "http" else {}
@@ -79,13 +91,26 @@ class BodySizeLimit:
         # The app factory passes the upload limit only; the timeout is the app's setting.
         timeout_s = scope["app"].state.runtime.settings.request_timeout_s
         deadline = asyncio.get_running_loop().time() + timeout_s
+        declared = headers.get(b"content-length")
+        declared_bytes = int(declared) if declared is not None and declared.isdigit() else 0
         received = 0
         unread = True
+        held = 0  # this body's share of the budget
+
+        def hold(size: int) -> None:
+            nonlocal held
+            if size <= held:
+                return
+            if self.held + size - held > self.budget:
+                raise too_many_uploads(self.budget)
+            self.held += size - held
+            held = size
 
         async def bounded_receive() -> Message:
             nonlocal received, unread
             if not unread:  # the body is in; what comes now is a disconnect
                 return await receive()
+            hold(declared_bytes)  # before the first byte is read
             try:
                 async with asyncio.timeout_at(deadline):
                     message = await receive()
@@ -93,9 +118,10 @@ class BodySizeLimit:
                 raise request_timeout(timeout_s) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                unread = message.get("more_body", False)  # a refusal then reads no more
                 if received > limit:
                     raise payload_too_large(limit)
-                unread = message.get("more_body", False)
+                hold(received)
             return message
 
         async def discard_body() -> bool:
@@ -129,11 +155,13 @@ class BodySizeLimit:
                 message = {**message, "headers": closing}
             await send(message)
 
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
+        if declared_bytes > limit:
             await error_response(payload_too_large(limit))(scope, receive, closed_send)
             return
-        await self.app(scope, bounded_receive, closing_send)
+        try:
+            await self.app(scope, bounded_receive, closing_send)
+        finally:
+            self.held -= held
 
 
 class NoSniff:

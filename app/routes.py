@@ -208,6 +208,7 @@ _REFUSALS = {
     "unavailable": "unavailable",
     "engine_unavailable": "unavailable",
     "stalled": "unavailable",
+    "too_many_uploads": "uploads",  # the process's budget of request bodies
 }
 
 

@@ -303,7 +303,12 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(
         60.0, gt=0, le=DAY_S, description="Deadline of a request from arrival; past it, 504."
     )
-    max_upload_bytes: int = Field(10 * 1024 * 1024, ge=1024, description="Largest image upload.")
+    max_upload_bytes: int = Field(
+        10 * 1024 * 1024,
+        ge=1024,
+        description="Largest image upload. The request bodies an HTTP process holds at once "
+        "add up to at most 32 times it; a body past that is answered 503.",
+    )
     max_image_pixels: int = Field(
         16_000_000, ge=1, description="Largest decoded image (width x height)."
     )

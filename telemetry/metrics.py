@@ -98,6 +98,7 @@ REJECTION_REASONS = (
     "draining",
     "not_ready",
     "unavailable",
+    "uploads",
     "failed",
 )
 REJECTED = Counter(

@@ -12,7 +12,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess
+from app.http import BODY_BUDGET_UPLOADS
+from app.settings import Settings
+from tests.conftest import ServerProcess, formula_png, wait_for
 
 KEY = "hostile-suite-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -380,6 +382,67 @@ def test_a_malformed_chunked_body_gets_a_json_400(hostile, body):
         assert answer.code() == "malformed_http"
         assert answer.headers.get("connection") == "close"
         assert closed_by_server(sock, within_s=2)
+
+
+# -- the bodies a process holds at once ------------------------------------------------
+
+
+def recognize_raw(png: bytes, chunks: bool = False) -> bytes:
+    headers = {"Content-Type": "image/png"}
+    headers["Transfer-Encoding" if chunks else "Content-Length"] = (
+        "chunked" if chunks else str(len(png))
+    )
+    return head("POST", "/recognize", headers) + (chunked(png) if chunks else png)
+
+
+def rejected_for_uploads(server: ServerProcess) -> float:
+    metrics = httpx.get(server.url + "/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("texel_requests_rejected_total{") and 'reason="uploads"' in line
+    )
+
+
+def test_bodies_past_the_process_budget_are_refused_unread_until_a_held_one_is_answered(server):
+    """The shared server takes uploads of 256 KiB: bodies that declare that much, started
+    and left unfinished, fill its budget of `BODY_BUDGET_UPLOADS` of them; then any other
+    body, one with a `Content-Length` or a chunked one, is answered 503 and its
+    connection closed, until one of the held requests ends."""
+    limit = 256 * 1024
+    png = formula_png()
+    rejected_before = rejected_for_uploads(server)
+    held = []
+    try:
+        for _ in range(BODY_BUDGET_UPLOADS):
+            sock = connect(server)
+            upload = {"Content-Type": "image/png", "Content-Length": str(limit)}
+            sock.sendall(head("POST", "/recognize", upload) + png[:64])
+            held.append(sock)
+        # The server takes the held requests up in its own time: until it has, a small
+        # upload fits and is answered.
+        deadline = time.monotonic() + 15
+        while (answer := exchange(server, recognize_raw(png))).status == 200:
+            assert time.monotonic() < deadline, "the held bodies never filled the budget"
+        assert answer.status == 503 and answer.code() == "too_many_uploads"
+        assert answer.headers.get("retry-after") == "1"
+        assert answer.headers.get("connection") == "close"
+        # A chunked body, which declares no size, is refused at its first chunk.
+        answer = exchange(server, recognize_raw(png, chunks=True))
+        assert answer.status == 503 and answer.code() == "too_many_uploads"
+        assert rejected_for_uploads(server) >= rejected_before + 2
+    finally:
+        held.pop().close()  # its request ends (the client went away): its share frees
+    try:
+        wait_for(lambda: exchange(server, recognize_raw(png)).status == 200, timeout=15)
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_the_settings_name_the_budget_the_server_keeps():
+    description = Settings.model_fields["max_upload_bytes"].description
+    assert f"at most {BODY_BUDGET_UPLOADS} times it" in description
 
 
 # -- connections ----------------------------------------------------------------------
