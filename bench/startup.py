@@ -23,10 +23,9 @@ from bench.common import commit as git_commit
 from bench.server import ServerProcess
 
 
-def tiny_models() -> dict[str, str]:
+def tiny_models(root: Path) -> dict[str, str]:
     from training.tiny import build_tiny_formula_model, build_tiny_image_pipeline
 
-    root = Path(tempfile.mkdtemp(prefix="texel-startup-"))
     return {
         "formula": str(build_tiny_formula_model(root / "formula")),
         "image": str(build_tiny_image_pipeline(root / "image")),
@@ -56,15 +55,7 @@ def measure(env: dict[str, str]) -> dict:
         server.stop()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--http-processes", type=int, default=2)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--formula", help="formula model folder (default: a tiny one)")
-    parser.add_argument("--image", help="image model folder (default: a tiny one)")
-    parser.add_argument("--out", type=Path, help="append one JSON line per run")
-    args = parser.parse_args()
-    models = tiny_models() if not (args.formula and args.image) else {}
+def measure_runs(args: argparse.Namespace, models: dict[str, str]) -> list[dict]:
     env = {
         "TEXEL_DEVICE": "cpu",
         "TEXEL_HTTP_PROCESSES": str(args.http_processes),
@@ -82,8 +73,23 @@ def main() -> None:
                       "http_processes": args.http_processes}  # fmt: skip
             with args.out.open("a") as out:
                 out.write(json.dumps(record) + "\n")
+    return runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--http-processes", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--formula", help="formula model folder (default: a tiny one)")
+    parser.add_argument("--image", help="image model folder (default: a tiny one)")
+    parser.add_argument("--out", type=Path, help="append one JSON line per run")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="texel-startup-") as scratch:
+        models = tiny_models(Path(scratch)) if not (args.formula and args.image) else {}
+        runs = measure_runs(args, models)
     names = sorted({name for result in runs for name in result["processes"]})
-    print(f"commit {commit}, {args.http_processes} HTTP processes, median of {len(runs)} runs")
+    count = len(runs)
+    print(f"commit {git_commit()}, {args.http_processes} HTTP processes, median of {count} runs")
     print(f"{'':16} {'CPU s':>7} {'RSS MB':>7} {'PSS MB':>7}")
     for name in names:
         rows = [r["processes"][name] for r in runs if name in r["processes"]]
