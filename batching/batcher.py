@@ -406,6 +406,14 @@ class Batcher:
             outcomes = await loop.run_in_executor(
                 self._executors[worker.name], self._run_plan, worker, plan.bucket, plan.items
             )
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise
+            # Its thread was shut down (`Engine.close`) with the batch still waiting for it.
+            for item in plan.items:
+                self._fail(item, Draining("the server is shutting down"), "draining")
+            self._worker_free(worker)
+            return
         except Exception as exc:  # the executor itself failed (shut down)
             outcomes = [self._failure(exc, len(plan.items)) for _ in plan.items]
         self._drain_rate.record(
@@ -477,6 +485,11 @@ class Batcher:
             error = await loop.run_in_executor(
                 self._executors[worker.name], self._run_stream, worker, feed
             )
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise
+            # Its thread was shut down (`Engine.close`) before the stream began.
+            error = Draining("the server is shutting down")
         except Exception as exc:  # the executor itself failed (shut down)
             error = exc
         # Answers the worker sent are delivered before this resumes (both go through
@@ -504,7 +517,10 @@ class Batcher:
                 self._fail(item, Draining("the server is shutting down"), "draining")
         elif untaken:  # the stream failed before taking them: they fail with it
             left = left + untaken
-        if left:
+        if left and isinstance(error, Draining):
+            for item in left:
+                self._fail(item, error, "draining")
+        elif left:
             if error is None:
                 error = BatchFailed(f"the {worker.name} worker ended without answering")
                 log.error("stream on %s ended with %d requests unanswered", worker.name, len(left))

@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
 import torch
 
-from engine import Engine, ModelPlan
+from engine import Draining, Engine, ModelPlan
 from models.base import DeviceRunner, Model
 from tests.test_stream import FakeStream
 
@@ -112,3 +113,40 @@ async def test_a_stream_on_a_cpu_gives_way_to_another_models_batch():
         assert await engine.drain(5)
     finally:
         await engine.close()
+
+
+class Held(Recorder):
+    """A Recorder whose batches hold the compute thread until `gate` is set."""
+
+    def __init__(self, key: str, threads: list[tuple[str, int]], gate: threading.Event) -> None:
+        super().__init__(key, threads)
+        self.gate = gate
+
+    def runner(self, device) -> DeviceRunner:
+        def run(payloads, should_stop):
+            self.gate.wait(10)
+            return list(payloads)
+
+        return DeviceRunner(run)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
+async def test_a_batch_waiting_for_the_thread_when_the_engine_closes_is_answered_draining(stream):
+    """Closing an engine shuts its compute thread down: a batch of one model still
+    waiting behind another's gets `Draining` at once, not silence until its deadline."""
+    threads: list[tuple[str, int]] = []
+    gate = threading.Event()
+    waiting = Recorder("formula", threads, stream=FakeStream(rows=4) if stream else None)
+    engine = Engine(CPU, [plan(Held("image", threads, gate)), plan(waiting)])
+    await engine.start()
+    try:
+        holding = asyncio.ensure_future(engine.submit("image", "first", timeout_s=30))
+        await asyncio.sleep(0.1)  # its batch holds the thread
+        behind = asyncio.ensure_future(engine.submit("formula", (1, 3) if stream else "x", 30))
+        await asyncio.sleep(0.1)  # its batch (or stream) waits for the thread
+        await engine.close()
+        with pytest.raises(Draining):
+            await asyncio.wait_for(behind, 2)
+    finally:
+        gate.set()
+    assert (await holding).value == "first"  # the batch that held the thread ran out
