@@ -60,6 +60,7 @@ class Runtime:
     _opening: dict[str, str] = field(default_factory=dict)  # models that failed to open
     _load: dict[str, float] = field(default_factory=dict)
     _inflight: set[asyncio.Future] = field(default_factory=set)  # requests in the engines
+    _preparing: int = 0  # requests in their request stages, accepted and bound for an engine
     _cut_off: bool = False  # the drain's time is up: what is still in flight gets 503
     _tasks: list[asyncio.Task] = field(default_factory=list)
     # Called as the event loop goes round (every `FOLLOW_S`, `_beat`): the launcher's
@@ -141,13 +142,14 @@ class Runtime:
                     self._attached.add(key)
 
     async def drain(self) -> None:
-        """Stop taking requests and finish every one in flight (and, with an engine in
-        this process, every queued one) within `DRAIN_TIMEOUT_S`; past it, the requests
-        still in flight are answered 503 `draining` (`cut_off`)."""
+        """Stop taking requests and finish every one in flight (in its request stages or
+        in an engine, and with an engine in this process, every queued one) within
+        `DRAIN_TIMEOUT_S`; past it, the requests still in flight are answered 503
+        `draining` (`cut_off`)."""
         self.draining = True
         deadline = time.monotonic() + self.settings.drain_timeout_s
         await asyncio.gather(*(e.drain(self.settings.drain_timeout_s) for e in self.engines))
-        while self._inflight and time.monotonic() < deadline:
+        while (self._inflight or self._preparing) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self.cut_off()
 
@@ -256,7 +258,11 @@ class Runtime:
         """A request of model `key` through its request stages: the engine's payload."""
         model = self.model(key)
         quick = model.quick_request(request)
-        return await self._stages(model, model.request_stages(), request, trace, quick)
+        self._preparing += 1
+        try:
+            return await self._stages(model, model.request_stages(), request, trace, quick)
+        finally:
+            self._preparing -= 1
 
     async def complete(
         self,
@@ -268,8 +274,13 @@ class Runtime:
     ) -> tuple[Any, BatchResult]:
         """A prepared payload through an engine and the response stages, due
         `REQUEST_TIMEOUT_S` after `arrived` (`time.monotonic()`). A request once prepared
-        is not refused for draining: it was accepted before the server began to drain."""
+        is not refused for draining: it was accepted before the server began to drain.
+        Only once the drain's time is up (`cut_off`) is it answered 503 `draining` here,
+        since nothing would cut it off in an engine any more."""
         model = self.models[key]
+        if self._cut_off:
+            metrics.REJECTED.labels(model.name, "draining").inc()  # no batcher saw it
+            raise Draining("the server shut down before this request finished")
         engine = self._pick(key)
         remaining = self.settings.request_timeout_s - (time.monotonic() - arrived)
         if remaining <= 0:
