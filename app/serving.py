@@ -116,8 +116,18 @@ class Runtime:
     async def _follow(self) -> None:
         """Read the engines' model states; attach what a newly ready model says of itself."""
         frozen = False
+        failing = False
         while True:
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception:
+                # A bug (a model that cannot take what its engine says of itself): the
+                # states keep being read, and the error is logged once until they are.
+                if not failing:
+                    log.exception("reading the engines' model states failed")
+                failing = True
+            else:
+                failing = False
             if not frozen and self.settings.advanced.gc_freeze and self.ready:
                 freeze_heap()
                 frozen = True
@@ -138,8 +148,20 @@ class Runtime:
                 state = models.get(key, ModelState("unavailable"))
                 self.states[key][engine.name] = state
                 if state.state == "ready" and key not in self._attached:
-                    self.models[key].attach(state.description)
                     self._attached.add(key)
+                    self._attach(key, state.description)
+
+    def _attach(self, key: str, description: dict) -> None:
+        """Give model `key`'s request side what its engine says of the loaded model; one
+        that cannot take it counts as failed to load, as one that cannot open does."""
+        model = self.models[key]
+        try:
+            model.attach(description)
+        except Exception as exc:
+            self._opening[key] = log_load_failure(
+                log, exc, "could not take what the engine says of the %s model", key,
+                source=model.source,
+            )  # fmt: skip
 
     async def drain(self) -> None:
         """Stop taking requests and finish every one in flight (in its request stages or
@@ -309,6 +331,7 @@ class Runtime:
         finally:
             self._load[engine.name] -= cost
             self._inflight.discard(submitted)
+        trace.in_engine = False  # a client gone from here on is counted where it is answered
         self._record(trace, model, value, result, submitted_ns)
         stages = model.response_stages()
         output = await self._stages(model, stages, result.value, trace, model.quick_response)
