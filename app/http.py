@@ -29,8 +29,8 @@ from app.schemas import RecognizeJSON
 
 MULTIPART_OVERHEAD = 64 * 1024
 # The request bodies one HTTP process holds at once, counted in full-size uploads
-# (`max_upload_bytes` each), from the first byte read until the answer: past them a body
-# is refused 503, so that many large uploads, or slow ones, cannot fill its memory.
+# (`max_upload_bytes` each), from their first byte read until the answer: past them a
+# body is refused 503, so that many large uploads, or slow ones, cannot fill its memory.
 BODY_BUDGET_UPLOADS = 32
 # Errors of a JSON body named one by one in its 422; past this many (a body of a
 # million unknown fields) they are counted instead: listing them took seconds of the
@@ -70,9 +70,10 @@ class BodySizeLimit:
     so that the rest of a body, sent slowly or never, cannot hold it open.
 
     The bodies of all requests in the process share one budget (`BODY_BUDGET_UPLOADS`):
-    a body holds its share, its `Content-Length` or what has come of a chunked one,
-    until its request is answered. A body that would take the process past it is
-    refused 503 `too_many_uploads` before another byte of it is read.
+    a body holds the bytes of it read so far until its request is answered, and one
+    whose next bytes would take the process past it is refused 503 `too_many_uploads`.
+    What counts is what came, not what a head declares: a client cannot hold the budget
+    with heads alone.
     """
 
     def __init__(self, app: ASGIApp, max_upload_bytes: int) -> None:
@@ -91,8 +92,6 @@ class BodySizeLimit:
         # The app factory passes the upload limit only; the timeout is the app's setting.
         timeout_s = scope["app"].state.runtime.settings.request_timeout_s
         deadline = asyncio.get_running_loop().time() + timeout_s
-        declared = headers.get(b"content-length")
-        declared_bytes = int(declared) if declared is not None and declared.isdigit() else 0
         received = 0
         unread = True
         held = 0  # this body's share of the budget
@@ -110,7 +109,6 @@ class BodySizeLimit:
             nonlocal received, unread
             if not unread:  # the body is in; what comes now is a disconnect
                 return await receive()
-            hold(declared_bytes)  # before the first byte is read
             try:
                 async with asyncio.timeout_at(deadline):
                     message = await receive()
@@ -155,7 +153,8 @@ class BodySizeLimit:
                 message = {**message, "headers": closing}
             await send(message)
 
-        if declared_bytes > limit:
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
             await error_response(payload_too_large(limit))(scope, receive, closed_send)
             return
         try:
