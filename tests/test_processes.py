@@ -706,7 +706,11 @@ def test_sigterm_answers_every_accepted_request_then_exits_0_leaving_nothing_beh
         assert late.status_code == 503 and error_code(late) == "draining"
         assert [f.result().status_code for f in futures] == [200] * 3
     assert server.process.wait(signalled + GRACE_S + DRAIN_S - time.monotonic()) == 0
-    wait_for(lambda: all(gone(child) for child in children), timeout=5)
+    try:
+        wait_for(lambda: all(gone(child) for child in children), timeout=15)
+    except AssertionError:
+        left = [(c.pid, c.name(), c.status()) for c in children if not gone(c)]
+        raise AssertionError(f"still running after the launcher exited: {left}") from None
     assert not workdir.exists()
 
 
