@@ -95,7 +95,8 @@ class GenerateRequest(BaseModel):
         None,
         ge=0,
         le=2**32 - 1,
-        description="Seed of the first image; image i uses seed + i. Random when absent.",
+        description="Seed of the first image; image i uses seed + i, which may not pass "
+        "2^32 - 1 either. Random when absent.",
     )
     num_images: int = Field(
         1, ge=1, le=MAX_IMAGES, description="Images to generate for this prompt."
@@ -162,7 +163,9 @@ class ImagesGenerationRequest(BaseModel):
     )
     guidance_scale: float | None = Field(None, description="Texel extension: as on /generate.")
     seed: int | None = Field(
-        None, description="Texel extension: seed of the first image; image i uses seed + i."
+        None,
+        description="Texel extension: seed of the first image; image i uses seed + i, which "
+        "may not pass 2^32 - 1.",
     )
 
 

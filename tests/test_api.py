@@ -569,3 +569,25 @@ def test_an_idle_connection_stays_open_past_uvicorns_own_keep_alive(server):
         assert connection.getresponse().status == 200
     finally:
         connection.close()
+
+
+def test_a_seed_that_would_give_an_image_a_seed_past_the_largest_gets_422_naming_it(server):
+    """Image i uses seed + i, and every seed answered must be one a request may send."""
+    last = 2**32 - 1
+    refused = generate(server, seed=last, num_images=2, num_inference_steps=1)
+    assert refused.status_code == 422, refused.text
+    assert error_of(refused) == "invalid_parameter"
+    assert f"seed must be at most {last - 1} for 2 images" in refused.json()["error"]["message"]
+    with server.client() as client:
+        v1 = client.post(
+            "/v1/images/generations",
+            json={"prompt": "a red circle", "n": 2, "seed": last, "steps": 1},
+        )
+    assert v1.status_code == 422, v1.text
+    assert (v1.json()["error"]["code"], v1.json()["error"]["param"]) == (
+        "invalid_parameter",
+        "seed",
+    )
+    accepted = generate(server, seed=last - 1, num_images=2, num_inference_steps=1)
+    assert accepted.status_code == 200, accepted.text
+    assert [image["seed"] for image in accepted.json()["images"]] == [last - 1, last]

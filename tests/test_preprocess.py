@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -629,11 +631,136 @@ def test_a_picture_too_large_even_for_pillow_to_open_names_the_servers_limit() -
 
 @pytest.mark.parametrize(
     "start",
-    [b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff\xe0", b"GIF89a", b"RIFF\x00\x00\x00\x00WEBP"],
-    ids=["PNG", "JPEG", "GIF", "WebP"],
+    [
+        b"\x89PNG\r\n\x1a\n",
+        b"\xff\xd8\xff\xe0",
+        b"GIF89a",
+        b"RIFF\x00\x00\x00\x00WEBP",
+        b"BM",
+    ],
+    ids=["PNG", "JPEG", "GIF", "WebP", "BMP"],
 )
 def test_data_that_begins_as_an_accepted_format_but_is_not_one_is_corrupt(start) -> None:
     with pytest.raises(CorruptImage, match="begins as a"):
         decode_image(start + b"\x00" * 4096, max_pixels=10**6)
     with pytest.raises(UnsupportedImage):  # no signature at all
         decode_image(b"\x00" * 4096, max_pixels=10**6)
+
+
+def test_a_bmp_cut_short_in_its_header_is_corrupt_not_unsupported() -> None:
+    bmp = encode(ink_box(), "BMP")
+    with pytest.raises(CorruptImage, match="begins as a BMP"):
+        decode_image(bmp[:30], max_pixels=10**6)
+
+
+def png_chunk(kind: bytes, data: bytes) -> bytes:
+    """One PNG chunk: length, type, data and checksum."""
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def with_chunk_before_image_data(png: bytes, chunk: bytes) -> bytes:
+    """The PNG with `chunk` inserted just before its first IDAT chunk."""
+    at = png.index(b"IDAT") - 4
+    return png[:at] + chunk + png[at:]
+
+
+def with_jpeg_segment(jpeg: bytes, segment: bytes) -> bytes:
+    """The JPEG with an APP1 segment holding `segment` inserted before its first
+    quantization table, after the JFIF header that Pillow writes."""
+    at = jpeg.index(b"\xff\xdb")
+    return jpeg[:at] + b"\xff\xe1" + struct.pack(">H", len(segment) + 2) + segment + jpeg[at:]
+
+
+def saved(image: Image.Image, fmt: str, **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **options)
+    return buffer.getvalue()
+
+
+GARBAGE_EXIF = b"Exif\x00\x00garbage!garbage"
+
+
+@pytest.mark.parametrize(
+    ("fmt", "damaged"),
+    [
+        ("PNG", lambda image: saved(image, "PNG", exif=GARBAGE_EXIF)),
+        ("WEBP", lambda image: saved(image, "WEBP", exif=GARBAGE_EXIF)),
+        (
+            "PNG",
+            lambda image: with_chunk_before_image_data(
+                saved(image, "PNG"), png_chunk(b"eXIf", b"MM\x00")
+            ),
+        ),
+        (
+            "PNG",
+            lambda image: with_chunk_before_image_data(
+                saved(image, "PNG"),
+                png_chunk(b"tEXt", b"Raw profile type exif\x00\nexif\n   10\nzzzz\n"),
+            ),
+        ),
+        ("JPEG", lambda image: with_jpeg_segment(saved(image, "JPEG", dpi=(72, 72)), GARBAGE_EXIF)),
+    ],
+    ids=["PNG exif", "WebP exif", "PNG eXIf cut short", "PNG text profile not hex", "JPEG"],
+)
+def test_a_picture_whose_exif_cannot_be_read_is_read_as_stored(fmt, damaged) -> None:
+    preprocess = FormulaPreprocessor(SPEC, bucket_step=32, max_pixels=10**6)
+    image = ink_box(mode="L")
+    read = preprocess(damaged(image))
+    assert read.width > 0
+    assert np.array_equal(read.strip, preprocess(saved(image, fmt)).strip)
+
+
+def palette_png(transparency: bytes) -> bytes:
+    """A black box on white as a two-colour palette PNG, with a tRNS chunk of
+    `transparency` (one alpha value per palette index)."""
+    image = ink_box(mode="L").convert("P")
+    image.putpalette([255, 255, 255, 0, 0, 0])
+    image.putdata([1 if value < 128 else 0 for value in ink_box(mode="L").getdata()])
+    return with_chunk_before_image_data(saved(image, "PNG"), png_chunk(b"tRNS", transparency))
+
+
+def test_a_palette_png_with_more_alpha_values_than_a_palette_holds_is_read() -> None:
+    preprocess = FormulaPreprocessor(SPEC, bucket_step=32, max_pixels=10**6)
+    opaque = preprocess(palette_png(b"\xff\xff"))
+    long_table = preprocess(palette_png(b"\xff\xff" + b"\x00" * 298))  # 300 values
+    assert opaque.width > 0
+    assert np.array_equal(long_table.strip, opaque.strip)
+
+
+def test_a_decoded_upload_that_pillow_refuses_to_convert_is_corrupt() -> None:
+    """The tRNS chunk names palette index 300 transparent (all others opaque): the file
+    decodes, and Pillow refuses the index when it converts the picture."""
+    preprocess = FormulaPreprocessor(SPEC, bucket_step=32, max_pixels=10**6)
+    with pytest.raises(CorruptImage, match="palette index out of range"):
+        preprocess(palette_png(b"\xff" * 300 + b"\x00"))
+
+
+def test_only_errors_raised_inside_pillow_are_taken_for_the_uploads() -> None:
+    from models.formula.preprocess import _raised_by_pillow
+
+    def raised(action) -> Exception:
+        try:
+            action()
+        except Exception as exc:
+            return exc
+        raise AssertionError("nothing was raised")
+
+    assert _raised_by_pillow(raised(lambda: Image.new("L", (4, 4)).convert("no such mode")))
+    assert not _raised_by_pillow(raised(lambda: np.zeros((2, 2))[:, 5]))
+    assert not _raised_by_pillow(raised(lambda: 1 / 0))
+
+
+def test_a_small_png_padded_past_the_byte_bound_is_not_preprocessed_on_the_event_loop() -> None:
+    """Pillow reads every chunk of a PNG, so the pixels its header announces do not bound
+    its cost: hundreds of thousands of empty chunks after a small picture take seconds."""
+    import torch
+
+    from models.formula.adapter import QUICK_BYTES, FormulaRecognizer
+    from tests.conftest import formula_png
+
+    recognizer = FormulaRecognizer("unused", [torch.device("cpu")])
+    small = formula_png()
+    empty = png_chunk(b"abCd", b"")  # ancillary, private, safe to copy: skipped by readers
+    padded = with_chunk_before_image_data(small, empty * (QUICK_BYTES // len(empty) + 1))
+    assert recognizer.quick_request(small)
+    assert not recognizer.quick_request(padded)

@@ -55,11 +55,15 @@ from telemetry import metrics
 log = logging.getLogger(__name__)
 
 # PNG uploads up to this many pixels (a formula screenshot at twice the scale, and more)
-# are preprocessed on the HTTP process's event loop: about a millisecond of work, less
-# than handing it to the thread pool and back costs (bench/RESULTS.md). Larger pictures,
-# and other formats, whose size the upload does not tell without opening it, go to the
-# pool, so that no picture holds the loop long.
+# and this many bytes are preprocessed on the HTTP process's event loop: about a
+# millisecond of work, less than handing it to the thread pool and back costs
+# (bench/RESULTS.md). Larger pictures, and other formats, whose size the upload does not
+# tell without opening it, go to the pool, so that no picture holds the loop long. The
+# bytes count too: Pillow reads every chunk of a file, so a few pixels followed by
+# megabytes of chunks would hold the loop for seconds. A formula's PNG of that many
+# pixels takes a few kilobytes, an anti-aliased screenshot up to about 15.
 QUICK_PIXELS = 100_000
+QUICK_BYTES = 32 * 1024
 
 # Encoders whose position information copes with any input width.
 VARIABLE_WIDTH_ENCODERS = frozenset({"swin", "donut-swin", "swinv2"})
@@ -228,6 +232,8 @@ class FormulaRecognizer(Model):
         return self.preprocessor(data)
 
     def quick_request(self, data: bytes) -> bool:
+        if len(data) > QUICK_BYTES:
+            return False
         pixels = png_pixels(data)
         return pixels is not None and pixels <= QUICK_PIXELS
 

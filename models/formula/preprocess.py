@@ -31,8 +31,17 @@ from models.errors import CorruptImage, ImageTooLarge, UnsupportedImage
 ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "MPO", "WEBP", "BMP", "GIF"})
 EXIF_ORIENTATION = 0x0112
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-# How files of the accepted formats begin (BMP's two letters say too little to be sure).
-SIGNATURES = {PNG_SIGNATURE: "PNG", b"\xff\xd8\xff": "JPEG", b"GIF87a": "GIF", b"GIF89a": "GIF"}
+# How files of the accepted formats begin. BMP's two letters are a weak sign, but the
+# upload is refused either way: as a damaged BMP, not as a format Texel does not take.
+SIGNATURES = {
+    PNG_SIGNATURE: "PNG",
+    b"\xff\xd8\xff": "JPEG",
+    b"GIF87a": "GIF",
+    b"GIF89a": "GIF",
+    b"BM": "BMP",
+}
+# A palette holds at most this many colours, and so at most this many alpha values.
+PALETTE_SIZE = 256
 
 # Pixels darker than this count as ink when trimming margins (0 = black, 255 = white).
 INK_THRESHOLD = 200
@@ -222,12 +231,40 @@ def decode_image(data: bytes, max_pixels: int) -> Image.Image:
         image.load()
     except Exception as exc:
         raise CorruptImage(f"the {image.format} data could not be decoded: {exc}") from exc
-    if image.getexif().get(EXIF_ORIENTATION, 1) != 1:  # phone photos are stored sideways
+    transparency = image.info.get("transparency")
+    if image.mode == "P" and isinstance(transparency, bytes):
+        # A PNG's tRNS chunk may list more alpha values than a palette has colours; Pillow
+        # refuses such a table when it converts the picture. The extra ones name no colour.
+        image.info["transparency"] = transparency[:PALETTE_SIZE]
+    if _orientation(image) != 1:  # phone photos are stored sideways
         try:
             image = ImageOps.exif_transpose(image)
         except Exception as exc:
             raise CorruptImage(f"the image's EXIF orientation could not be applied: {exc}") from exc
     return image
+
+
+def _orientation(image: Image.Image) -> object:
+    """The EXIF orientation tag of a decoded picture: 1 (as stored) where it has none, or
+    where its EXIF cannot be read. The pixels have decoded by then, so damaged metadata
+    beside them (not a TIFF structure, cut short, a PNG text profile that is not hex) is
+    no reason to refuse the picture; Pillow raises several types for it."""
+    try:
+        return image.getexif().get(EXIF_ORIENTATION, 1)
+    except Exception:
+        return 1
+
+
+def _raised_by_pillow(exc: Exception) -> bool:
+    """Whether `exc` was raised inside Pillow (its innermost frame is Pillow's, which is
+    where Pillow's C code raises too), not in Texel's own arithmetic or NumPy's."""
+    frame = exc.__traceback__
+    if frame is None:
+        return False
+    while frame.tb_next is not None:
+        frame = frame.tb_next
+    module = frame.tb_frame.f_globals.get("__name__", "")
+    return module == "PIL" or module.startswith("PIL.")
 
 
 def _flat_pixels(image: Image.Image) -> np.ndarray:
@@ -792,5 +829,16 @@ class FormulaPreprocessor:
     max_pixels: int
 
     def __call__(self, data: bytes) -> FormulaInput:
-        strip = prepare_strip(decode_image(data, self.max_pixels), self.spec)
+        image = decode_image(data, self.max_pixels)
+        try:
+            strip = prepare_strip(image, self.spec)
+        except Exception as exc:
+            # A decoded upload can still carry what Pillow refuses later, when it converts
+            # the picture (a transparent palette index past the palette): that is the
+            # upload's fault, so the client hears it is corrupt, not that the server
+            # failed. Errors raised outside Pillow are Texel's own, and running out of
+            # memory is the server's: both stay errors.
+            if isinstance(exc, MemoryError) or not _raised_by_pillow(exc):
+                raise
+            raise CorruptImage(f"the image could not be read: {exc}") from exc
         return FormulaInput(strip, bucket_width(strip.shape[1], self.spec, self.bucket_step))

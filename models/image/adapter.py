@@ -55,6 +55,9 @@ DEFAULTS_FILE = "texel.json"  # optional {"num_inference_steps", "guidance_scale
 # On a compute thread shared with other models (a CPU), a denoising loop runs at least
 # this long before it gives the thread up at a step boundary to work that waits for it.
 GIVE_WAY_AFTER_S = 0.2
+# The largest seed a request may send (app/schemas.py). Image i of a request uses seed + i,
+# and each image's seed is answered so that it can be sent again: none may pass this.
+MAX_SEED = 2**32 - 1
 
 
 def compile_unet(unet, mode: str):
@@ -357,6 +360,13 @@ class ImageGenerator(Model):
             )
         guidance = d.guidance if request.guidance_scale is None else request.guidance_scale
         seed = secrets.randbelow(2**31) if request.seed is None else request.seed
+        last = MAX_SEED - request.num_images + 1
+        if seed > last:
+            raise InvalidParameter(
+                f"seed must be at most {last} for {request.num_images} images: image i uses "
+                f"seed + i, and seeds go up to {MAX_SEED}; got {seed}",
+                param="seed",
+            )
         seeds = tuple(seed + i for i in range(request.num_images))
         if self.speed is not None and self.deadline_s is not None:
             pixels_ratio = self._pixels_ratio(width, height)
