@@ -162,10 +162,17 @@ def _serve_single(settings: Settings, plan: ProcessPlan, host: str, port: int) -
 
 
 def run_engine_process(
-    settings: Settings, devices: list[str], device: str, path: str, parent_pid: int
+    settings: Settings,
+    devices: list[str],
+    device: str,
+    path: str,
+    parent_pid: int,
+    index: int,
+    beats,
 ) -> None:
     """The entry of an engine process: what every engine serves, built here from the
-    settings (the launcher holds no model code), then `engine.process.run_engine`."""
+    settings (the launcher holds no model code), then `engine.process.run_engine`; it
+    keeps in slot `index` of `beats` when its event loop last went round."""
     import torch
 
     from engine.process import run_engine
@@ -179,6 +186,7 @@ def run_engine_process(
         settings.log_level,
         settings.drain_timeout_s,
         settings.advanced.gpu_sharing,
+        beat=lambda: beats.__setitem__(index, time.monotonic()),
     )
 
 
@@ -210,7 +218,9 @@ def run_http_process(
     app = build_app(settings, request_models(settings, devices), clients)
     app.state.runtime.heartbeat = lambda: beats.__setitem__(index, time.monotonic())
     share = ConnectionShare(connections, index)
-    server = TexelServer(uvicorn_config(app, settings, share), app.state.runtime)
+    server = TexelServer(
+        uvicorn_config(app, settings, share), app.state.runtime, ignore=(signal.SIGINT,)
+    )
     server.run(sockets=[reuseport_socket(*address)])
 
 
@@ -232,9 +242,14 @@ class _Child:
 
     def start(self) -> None:
         self.process = CONTEXT.Process(target=self.target, args=self.args, name=self.name)
-        self.process.start()
         self.started = time.monotonic()
         self.due = None
+        try:
+            self.process.start()
+        except (EOFError, OSError) as exc:
+            # The fork server died as it forked (killed): this child counts as one that
+            # died at once, and the next try starts a new fork server.
+            log.error("could not start %s: %s", self.name, exc or type(exc).__name__)
 
     def check(self, now: float) -> None:
         """Restart the process if it died, backing off when it dies at once; kill it
@@ -296,17 +311,22 @@ class Launcher:
         engines = [(d, os.path.join(directory, f"engine-{i}.sock"))
                    for i, d in enumerate(self.plan.devices)]  # fmt: skip
         s = self.settings
+        # When each child's event loop last went round. A process whose loop stands still
+        # for twice the longest a request may take (stopped, deadlocked) answers nobody:
+        # it is killed and started again. (An engine whose loop goes round but whose
+        # device work hangs ends itself: `engine.process.end_when_hung`.)
+        engine_beats = CONTEXT.RawArray("d", len(engines))
         children = [
             _Child(
                 f"texel-engine-{name}",
                 run_engine_process,
-                (s, self.plan.devices, name, path, os.getpid()),
+                (s, self.plan.devices, name, path, os.getpid(), i, engine_beats),
+                beat=functools.partial(engine_beats.__getitem__, i),
+                hang_s=2 * s.request_timeout_s,
             )
-            for name, path in engines
+            for i, (name, path) in enumerate(engines)
         ]
-        # Each HTTP process's open connections, for `app.server.ConnectionShare`, and
-        # when its event loop last went round. A process whose loop stands still for
-        # twice the longest a request may take (stopped, deadlocked) answers nobody.
+        # Each HTTP process's open connections, for `app.server.ConnectionShare`.
         connections = CONTEXT.RawArray("i", self.plan.http_processes)
         beats = CONTEXT.RawArray("d", self.plan.http_processes)
         http = [

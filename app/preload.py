@@ -6,6 +6,13 @@ device, and the project's own modules stay out (their metrics would be made here
 import contextlib
 import ctypes
 import importlib
+import signal
+
+# Ctrl-C in a terminal reaches every process of the group: the fork server, still
+# importing, would die of it, and the launcher with it as it waits for a child's start.
+# Its children keep this (the engine ignores SIGINT anyway; an HTTP process's uvicorn sets
+# its own handler), and the launcher alone decides when they stop.
+signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 # Modules, or a module's attribute where the library loads it lazily on first use.
 LIBRARIES = (

@@ -231,15 +231,20 @@ class TexelServer(uvicorn.Server):
     The first signal marks the process not ready (load balancers stop sending),
     waits `shutdown_grace_s`, lets its requests finish for up to `drain_timeout_s`,
     answers those still running 503, then stops. A second signal answers them 503 at
-    once and stops.
+    once and stops. Signals in `ignore` do nothing: an HTTP process of the launcher's
+    ignores SIGINT, which Ctrl-C sends the launcher too; the launcher's SIGTERM then
+    stops it as any other, after the grace and the drain.
     """
 
-    def __init__(self, config: uvicorn.Config, runtime) -> None:
+    def __init__(self, config: uvicorn.Config, runtime, ignore: tuple[int, ...] = ()) -> None:
         super().__init__(config)
         self.runtime = runtime
+        self.ignore = ignore
         self._draining: asyncio.Task | None = None
 
     def handle_exit(self, sig: int, frame) -> None:
+        if sig in self.ignore:
+            return
         if self._draining is not None or self.should_exit:
             with contextlib.suppress(RuntimeError):  # no loop: nothing is in flight
                 asyncio.get_running_loop().call_soon_threadsafe(self.runtime.cut_off)

@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 
 RECONNECT_S = 0.2
 STATUS_TIMEOUT_S = 5.0
+# How long past a request's deadline an HTTP process still waits for its engine's answer.
+# The engine answers at the deadline itself (504); silence past it means the engine's
+# event loop stands still, and the request is answered 503 `engine_unavailable` here
+# (the launcher restarts such an engine).
+ANSWER_GRACE_S = 5.0
 
 
 class EngineClient(ABC):
@@ -196,12 +201,18 @@ class RemoteEngine(EngineClient):
         if on_progress is not None:
             self._progress[request_id] = on_progress
         try:
-            reply = await self._call(submit)
+            async with asyncio.timeout(timeout_s + ANSWER_GRACE_S):
+                reply = await self._call(submit)
         except asyncio.CancelledError as exc:
             if self._writer is not None:  # the client went away: free its place in the batch
                 with contextlib.suppress(EngineUnavailable):
                     self._send(protocol.Cancel(request_id, cut_off=cut_off(exc)))
             raise
+        except TimeoutError:
+            with contextlib.suppress(EngineUnavailable):
+                self._send(protocol.Cancel(request_id))
+            message = f"the engine on {self.name} did not answer by the request's deadline"
+            raise EngineUnavailable(message) from None
         finally:
             self._progress.pop(request_id, None)
         if isinstance(reply, protocol.Refusal):

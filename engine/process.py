@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -171,8 +172,10 @@ def run_engine(
     log_level: str,
     drain_timeout_s: float,
     sharing: Sharing = DEFAULT_SHARING,
+    beat: Callable[[], None] | None = None,
 ) -> None:
-    """The entry of an engine process."""
+    """The entry of an engine process; `beat` is called as its event loop goes round,
+    the launcher's sign of its life."""
     from telemetry import setup_logging, setup_tracing, shutdown_tracing
 
     exit_with_parent(parent_pid)
@@ -183,7 +186,7 @@ def run_engine(
     setup_logging(log_format, log_level)
     setup_tracing(max_batch_size=max((plan.max_batch_size for plan in plans), default=1))
     try:
-        asyncio.run(_serve(torch.device(device), plans, path, drain_timeout_s, sharing))
+        asyncio.run(_serve(torch.device(device), plans, path, drain_timeout_s, sharing, beat))
     finally:
         shutdown_tracing()
 
@@ -195,7 +198,12 @@ GPU_SWITCH_INTERVAL_S = 0.0005
 
 
 async def _serve(
-    device: torch.device, plans: list[ModelPlan], path: str, drain_s: float, sharing: Sharing
+    device: torch.device,
+    plans: list[ModelPlan],
+    path: str,
+    drain_s: float,
+    sharing: Sharing,
+    beat: Callable[[], None] | None,
 ):
     if device.type == "cuda":
         sys.setswitchinterval(GPU_SWITCH_INTERVAL_S)
@@ -208,6 +216,7 @@ async def _serve(
     loading = engine.start()
     memory = loop.create_task(_record_memory(device))
     watchdog = loop.create_task(end_when_hung(engine))
+    beating = loop.create_task(_beat(beat)) if beat is not None else None
     stopping = loop.create_task(stop.wait())
     await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
     if loading.done():
@@ -220,6 +229,8 @@ async def _serve(
     await engine.drain(drain_s)
     memory.cancel()
     watchdog.cancel()
+    if beating is not None:
+        beating.cancel()
     server.close()
     await engine.close()
 
@@ -238,6 +249,12 @@ async def end_when_hung(engine: Engine, every_s: float = 1.0, end=os._exit) -> N
     log.error("engine on %s ends for a restart: %s", engine.name, "; ".join(hung))
     faulthandler.dump_traceback(all_threads=True)
     end(HUNG_EXIT)
+
+
+async def _beat(beat: Callable[[], None], every_s: float = 0.25) -> None:
+    while True:
+        beat()
+        await asyncio.sleep(every_s)
 
 
 async def _record_memory(device: torch.device, every_s: float = 1.0) -> None:

@@ -395,3 +395,32 @@ async def test_requests_in_an_engine_that_goes_away_fail_and_the_client_reconnec
     server2.close()
     await engine.close()
     await engine2.close()
+
+
+async def test_an_engine_silent_past_a_requests_deadline_gets_it_answered_unavailable(
+    tmp_path, monkeypatch
+) -> None:
+    """An engine answers at a request's deadline itself; one whose event loop stands still
+    (stopped, deadlocked) answers nothing, and the HTTP process stops waiting a grace
+    after the deadline instead of holding the request until the engine is restarted."""
+    from engine import client as engine_client
+
+    monkeypatch.setattr(engine_client, "ANSWER_GRACE_S", 0.2)
+    heard = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while chunk := await reader.read(65536):  # reads every frame, answers none
+            heard.append(chunk)
+
+    path = str(tmp_path / "silent.sock")
+    server = await asyncio.start_unix_server(silent, path=path)
+    client = await connected(path)
+    try:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(EngineUnavailable, match="did not answer by the request's deadline"):
+            await asyncio.wait_for(client.submit(Doubler(), 1, timeout_s=0.3, context=None), 5)
+        assert asyncio.get_running_loop().time() - started >= 0.5
+        await until(lambda: b"cancel" in b"".join(heard))  # its place is given up too
+    finally:
+        await client.close()
+        server.close()

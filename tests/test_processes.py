@@ -103,9 +103,10 @@ def start(tiny_env: dict[str, str], **env: str) -> ServerProcess:
 # -- requests ------------------------------------------------------------------------
 
 
-def recognize(server: ServerProcess, timeout: float = 60) -> httpx.Response:
-    """One formula, on a new connection: the kernel may hand it to either process."""
-    files = {"image": ("f.png", formula_png(), "image/png")}
+def recognize(server: ServerProcess, timeout: float = 60, text: str = "x^2 + 1") -> httpx.Response:
+    """One formula, on a new connection: the kernel may hand it to either process (and
+    its recognition cache answers a picture it has read before)."""
+    files = {"image": ("f.png", formula_png(text), "image/png")}
     return httpx.post(server.url + "/recognize", files=files, timeout=timeout)
 
 
@@ -546,7 +547,7 @@ def test_a_child_that_shows_no_life_for_its_hang_time_is_killed_and_started_agai
                 process.kill()
 
 
-def test_a_stopped_http_process_is_replaced_for_its_silence_and_a_beating_one_is_kept(
+def test_a_stopped_http_process_or_engine_is_replaced_for_its_silence_and_the_rest_kept(
     tiny_env,
 ):
     """The test above checks the launcher against a child made to look hung; nothing
@@ -584,6 +585,21 @@ def test_a_stopped_http_process_is_replaced_for_its_silence_and_a_beating_one_is
         assert {p.pid for p in http_processes(server)} == {healthy.pid, replacement}
         assert healthy.is_running() and healthy.name() == "texel-http-0"
         assert f"(pid {healthy.pid})" not in server.log(10**7)
+        assert [r.status_code for r in recognize_many(server, 4)] == [200] * 4
+        # The engine too: stopped, it answers neither the request sent to it nor the
+        # launcher, and is killed and started again; the request is answered meanwhile.
+        victim = engine_process(server)
+        victim.suspend()
+        stopped = time.monotonic()
+        answer = recognize(server, timeout=hang_s + 30, text="y_3 - 7")  # none read before
+        assert answer.status_code == 503 and error_code(answer) == "engine_unavailable"
+        while not gone(victim):
+            assert time.monotonic() < stopped + hang_s + 30, f"engine not killed:\n{server.log()}"
+            time.sleep(0.05)
+        said = rf"texel-engine-cpu \(pid {victim.pid}\) has shown no sign of life"
+        assert re.search(said, server.log(10**7)), server.log()
+        wait_for(lambda: readiness(server)[0] == 200, timeout=120)
+        time.sleep(2 * FOLLOW_S)  # every HTTP process has read the new engine's state
         assert [r.status_code for r in recognize_many(server, 4)] == [200] * 4
     finally:
         if victim is not None and not gone(victim):
@@ -684,6 +700,28 @@ def test_a_killed_fork_server_takes_its_children_and_the_launcher_starts_them_al
     wait_for(lambda: readiness(server)[0] == 200, timeout=120)
     time.sleep(2 * FOLLOW_S)  # every HTTP process has read the engine's state since
     assert [r.status_code for r in recognize_many(server, 4)] == [200] * 4
+
+
+def test_ctrl_c_drains_as_sigterm_does_every_accepted_request_answered(tiny_env):
+    """Ctrl-C in a terminal sends SIGINT to every process of the group at once. The HTTP
+    processes leave it to the launcher, whose SIGTERM then drains them: the requests in
+    flight are answered, where the launcher's SIGTERM coming second had cut them off
+    with 503 at once."""
+    server = start_restartable(tiny_env).server
+    try:
+        wait_whole(server)
+        launcher = psutil.Process(server.process.pid)
+        group = [launcher, *launcher.children(recursive=True)]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(generate, server) for _ in range(3)]
+            wait_for(lambda: server.metric("texel_queue_depth", model="image") == 3)
+            for process in group:
+                process.send_signal(signal.SIGINT)
+            assert [f.result().status_code for f in futures] == [200] * 3
+        assert server.process.wait(GRACE_S + DRAIN_S + 10) == 0
+        assert "Traceback" not in server.log(10**7)
+    finally:
+        server.stop()
 
 
 # Last: it stops the server the tests above share.
