@@ -12,6 +12,7 @@ import math
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from opentelemetry.trace import get_current_span
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
@@ -200,14 +201,20 @@ def error_response(error: ApiError, path: str = "") -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    def answer(request: Request, error: ApiError) -> JSONResponse:
+        # What went wrong, on the request's server span, as a route puts it there
+        # (app/routes.py): a trace backend finds a refused request by its code.
+        get_current_span().set_attribute("texel.error.code", error.code)
+        return error_response(error, request.url.path)
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        return error_response(exc, request.url.path)
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         # Query parameters (the bodies of the routes are validated in app/http.py).
-        return error_response(validation_error(exc.errors()), request.url.path)
+        return answer(request, validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -217,14 +224,14 @@ def install_error_handlers(app: FastAPI) -> None:
             # Not redirected (the app is built with redirect_slashes off): a redirect
             # names the host the client sent, and most clients do not follow a POST's.
             message = f"no route {path}; the route is {bare}, without the trailing slash"
-            return error_response(ApiError(404, "not_found", message), path)
-        return error_response(to_api_error(exc), path)
+            return answer(request, ApiError(404, "not_found", message))
+        return answer(request, to_api_error(exc))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         # repr: the path is the client's, decoded, and may hold line breaks
         log.exception("unhandled error on %r", request.url.path)
-        return error_response(to_api_error(exc), request.url.path)
+        return answer(request, to_api_error(exc))
 
 
 def _routed(app: FastAPI, request: Request, path: str) -> bool:

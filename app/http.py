@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 from fastapi import Request
+from opentelemetry.trace import get_current_span
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -26,6 +27,7 @@ from app.errors import (
     validation_error,
 )
 from app.schemas import RecognizeJSON
+from telemetry import metrics
 
 MULTIPART_OVERHEAD = 64 * 1024
 # The request bodies one HTTP process holds at once, counted in full-size uploads
@@ -39,6 +41,8 @@ MAX_LISTED_ERRORS = 20
 URL_SAFE = bytes.maketrans(b"-_", b"+/")  # base64url's two letters, in the standard alphabet
 WHITESPACE = b" \t\n\r\x0b\x0c"
 Schema = TypeVar("Schema", bound=BaseModel)
+# The model each inference route (app/routes.py) serves, by its path.
+ROUTE_MODELS = {"/recognize": "formula", "/generate": "image", "/v1/images/generations": "image"}
 
 
 def body_limit(content_type: str, max_upload_bytes: int, path: str) -> int:
@@ -155,12 +159,32 @@ class BodySizeLimit:
 
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await error_response(payload_too_large(limit))(scope, receive, closed_send)
+            error = payload_too_large(limit)
+            _refused_before_its_route(scope, error)
+            await error_response(error, scope["path"])(scope, receive, closed_send)
             return
         try:
             await self.app(scope, bounded_receive, closing_send)
         finally:
             self.held -= held
+
+
+def _refused_before_its_route(scope: Scope, error: ApiError) -> None:
+    """Record a body refused by its head, before any route ran, as its route records the
+    same refusal of a chunked body: its code on the request's span, and counted as
+    `invalid` under the route's model, if the route would have read it (a served model,
+    a POST, an accepted API key; otherwise it is answered 404, 405 or 401 and not
+    counted)."""
+    get_current_span().set_attribute("texel.error.code", error.code)
+    runtime = scope["app"].state.runtime
+    key = ROUTE_MODELS.get(scope["path"])
+    if key not in runtime.models or scope["method"] != "POST":
+        return
+    try:
+        check_api_key(Request(scope), runtime.settings.api_keys)
+    except ApiError:
+        return
+    metrics.REJECTED.labels(runtime.model_label(key), "invalid").inc()
 
 
 class NoSniff:

@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING, Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from opentelemetry.trace import get_current_span
+from opentelemetry.trace import Span, get_current_span
 from starlette.background import BackgroundTask
 
 from app import openai_api
 from app.errors import ApiError, error_response, openai_type, to_api_error
 from app.http import (
+    ROUTE_MODELS,
     check_api_key,
     preferred_type,
     read_image_upload,
@@ -146,11 +147,13 @@ async def authorized(request: Request) -> None:
 
 
 class _Observed:
-    """Counts a request in flight and records its duration, status and rejection reason."""
+    """Counts a request in flight and records its duration and status: until its answer
+    is made, or, for a streamed answer, until its stream has ended."""
 
-    def __init__(self, route: str, model: str) -> None:
+    def __init__(self, route: str) -> None:
         self.route = route
-        self.model = model
+        self.streaming = False
+        self.left = False
 
     def __enter__(self):
         self.started = time.perf_counter()
@@ -163,38 +166,66 @@ class _Observed:
             exemplar={"trace_id": trace_id} if trace_id else None,
         )
 
+    def until_streamed(self, response: StreamingResponse, trace_id: str | None) -> None:
+        """Keep the request in flight, and its duration running, until `response`'s
+        stream ends: its work runs while its events go out. Starlette runs the background
+        task once the stream has ended, finished or its client gone."""
+        self.streaming = True
+        response.background = BackgroundTask(self._streamed, response.status_code, trace_id)
+
+    def _streamed(self, status: int, trace_id: str | None) -> None:
+        self.finish(status, trace_id)
+        self._leave()
+
+    def _leave(self) -> None:
+        if not self.left:  # once, whichever way the request ends
+            self.left = True
+            metrics.INFLIGHT.labels(self.route).dec()
+
     def __exit__(self, *exc_info):
-        metrics.INFLIGHT.labels(self.route).dec()
+        if not self.streaming:
+            self._leave()
 
 
-async def _handle(request: Request, route: str, key: str, flow) -> Response:
+async def _handle(request: Request, route: str, flow) -> Response:
     """Common shape of an inference request: checks, stages, metrics and error mapping
     (the error's body in the shape of the route: app/errors.py)."""
     runtime = runtime_of(request)
-    with _Observed(route, key) as observed:
+    key = ROUTE_MODELS[route]
+    with _Observed(route) as observed:
         trace: RequestTrace | None = None
         try:
             model = await runtime.ready_model(key)
             trace = RequestTrace(model.name, model.operation)
             response = await flow(runtime, model.name, trace)
             if isinstance(response, StreamingResponse):  # it ends with its events
-                response.background = BackgroundTask(
-                    observed.finish, response.status_code, trace.trace_id
-                )
+                observed.until_streamed(response, trace.trace_id)
             else:
                 observed.finish(response.status_code, trace.trace_id)
             return response
         except Exception as exc:
             error = to_api_error(exc)
-            # What went wrong, on the request's span: a trace backend finds it by code.
-            get_current_span().set_attribute("texel.error.code", error.code)
-            reason = _rejection(exc, error, trace)
-            if reason is not None:
-                metrics.REJECTED.labels(runtime.model_label(key), reason).inc()
-            if error.code == "internal_error":
-                log.error("%s failed", route, exc_info=exc)
+            _record_error(runtime, route, exc, error, trace, get_current_span())
             observed.finish(error.status, trace.trace_id if trace else None)
             return error_response(error, request.url.path)
+
+
+def _record_error(
+    runtime: Runtime,
+    route: str,
+    exc: Exception,
+    error: ApiError,
+    trace: RequestTrace | None,
+    span: Span,
+) -> None:
+    """What went wrong with a request on `route`: its code on the request's server `span`
+    (a trace backend finds it by code), and counted once (see `_rejection`)."""
+    span.set_attribute("texel.error.code", error.code)
+    reason = _rejection(exc, error, trace)
+    if reason is not None:
+        metrics.REJECTED.labels(runtime.model_label(ROUTE_MODELS[route]), reason).inc()
+    if error.code == "internal_error":
+        log.error("%s failed", route, exc_info=exc)
 
 
 # The reasons of `texel_requests_rejected_total` given where a request is answered, by
@@ -340,7 +371,7 @@ async def recognize(request: Request) -> Response:
         )
         return JSONResponse(body.model_dump())
 
-    return await _handle(request, "/recognize", "formula", flow)
+    return await _handle(request, "/recognize", flow)
 
 
 async def _cache_key(runtime: Runtime, cache: RecognitionCache, data: bytes, model: str) -> bytes:
@@ -397,7 +428,7 @@ async def generate(request: Request) -> Response:
             )
         return JSONResponse(_generate_response(images, result, model, trace).model_dump())
 
-    return await _handle(request, "/generate", "image", flow)
+    return await _handle(request, "/generate", flow)
 
 
 def _event(name: str, data: dict) -> bytes:
@@ -431,6 +462,10 @@ async def _progress_events(
                 images, result = work.result()
             except Exception as exc:
                 error = to_api_error(exc)
+                # On the span the request's trace was made under, its server span: the
+                # stream runs wherever the ASGI server iterates it, and what is current
+                # there is the server's business.
+                _record_error(runtime, "/generate", exc, error, trace, trace.parent)
                 yield _event("error", json.loads(error_response(error, request.url.path).body))
                 return
             yield _event("image", _generate_response(images, result, model, trace).model_dump())
@@ -477,7 +512,7 @@ async def openai_images(request: Request) -> Response:
             raise
         return JSONResponse(openai_api.images_response(images.pngs, images.seeds).model_dump())
 
-    return await _handle(request, "/v1/images/generations", "image", flow)
+    return await _handle(request, "/v1/images/generations", flow)
 
 
 @router.get(
