@@ -27,7 +27,7 @@ RUN pip install --no-deps .
 FROM ${CUDA_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 curl \
+ && apt-get install -y --no-install-recommends python3 curl tini \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --create-home --uid 10001 texel
 COPY --from=build /opt/texel /opt/texel
@@ -40,6 +40,8 @@ USER texel
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
   CMD curl -fsS http://127.0.0.1:8000/livez || exit 1
-# Exec form: texel runs as PID 1 and receives SIGTERM itself, so it drains before exiting.
-ENTRYPOINT ["texel", "serve"]
+# tini is PID 1: it passes SIGTERM to texel, which drains before exiting, and reaps the
+# processes handed to PID 1 (a fork server that dies leaves its children to it, and
+# texel's launcher, as PID 1, would leave them zombies).
+ENTRYPOINT ["tini", "--", "texel", "serve"]
 CMD ["--host", "0.0.0.0", "--port", "8000"]

@@ -552,3 +552,14 @@ def test_the_pod_asks_for_the_cores_and_gpu_of_its_process_plan(monkeypatch):
     default = ProcessPlan.of(settings.model_copy(update={"http_processes": None}), cores=cores)
     assert default.devices == ["cuda:0"]
     assert settings.http_processes == default.http_processes
+
+
+def test_the_image_runs_texel_under_an_init_that_reaps_orphans():
+    """In a container the entrypoint is PID 1, which the kernel hands every orphan (the
+    children of a fork server that died): tini reaps them, where texel's launcher would
+    leave them zombies, and passes SIGTERM on, so that texel drains."""
+    last_stage = (ROOT / "Dockerfile").read_text().rsplit("\nFROM ", 1)[1]
+    installed = re.search(r"apt-get install [^\n]*\btini\b", last_stage)
+    assert installed, "tini is not installed in the image's last stage"
+    entrypoint = json.loads(re.search(r"^ENTRYPOINT (.+)$", last_stage, re.M).group(1))
+    assert entrypoint[:3] == ["tini", "--", "texel"], entrypoint
