@@ -149,8 +149,11 @@ class Feed:
 
     # -- the worker's side (its thread) ---------------------------------------
 
-    def take(self, limit: int) -> list[tuple[int, Any]]:
-        """Up to `limit` new requests as (key, payload), oldest first; never blocks."""
+    def take(self, limit: int, fits: Callable[[Any], bool] | None = None) -> list[tuple[int, Any]]:
+        """Up to `limit` new requests as (key, payload), oldest first, stopping at the
+        first whose payload does not `fits` (called on each in turn, which may count
+        what it let in); never blocks. A request is taken when it joins: the time it
+        waited before is its queue wait."""
         self.alive_at = self._clock()
         if self._on_step is not None:
             self._on_step()
@@ -161,7 +164,11 @@ class Feed:
         if self.yielded:
             return []
         with self._lock:
-            items = [self._inbox.popleft() for _ in range(min(limit, len(self._inbox)))]
+            items = []
+            while self._inbox and len(items) < limit:
+                if fits is not None and not fits(self._inbox[0].payload):
+                    break
+                items.append(self._inbox.popleft())
             if not items:
                 return []
             running = len(self._taken) + len(items)

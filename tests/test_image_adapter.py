@@ -308,6 +308,34 @@ async def test_requests_join_a_running_denoising_loop_and_leave_when_their_steps
     assert np.array_equal(second.value.images[0], alone[1][0])
 
 
+async def test_a_request_that_does_not_fit_the_loops_budget_waits_in_the_queue_not_the_loop(
+    stepped,
+):
+    """The loop's budget is 4 images: a request of 4 sent while another of 4 denoises
+    cannot join it, and waits until that one has left. That wait is its queue wait, and
+    it runs in a batch of one, as it does: it was counted as joined at once (a batch of
+    two, a queue wait of nothing, its wait counted as generating)."""
+    runner = stepped.runner(torch.device("cpu"))
+    batcher = _streaming(runner, max_wait_s=0.0)
+    batcher.start()
+    try:
+        early, late = _jobs(
+            stepped,
+            ImageRequest("a red circle", seed=3, num_inference_steps=60, num_images=4),
+            ImageRequest("a blue square", seed=4, num_inference_steps=3, num_images=4),
+        )
+        first = asyncio.ensure_future(batcher.submit(early, bucket=0, cost=4, timeout_s=60))
+        await asyncio.sleep(0.2)  # the loop denoises the first request's 4 images
+        assert not first.done()
+        second = await batcher.submit(late, bucket=0, cost=4, timeout_s=60)
+        first = await first
+    finally:
+        await batcher.close()
+    assert first.batch_size == 1 and second.batch_size == 1
+    assert second.queue_wait_s > 0.5 * first.run_s, (second.queue_wait_s, first.run_s)
+    assert second.run_s < first.run_s  # 3 steps against 60, from when it joined
+
+
 async def test_a_request_whose_client_went_away_leaves_the_loop_and_the_others_go_on(stepped):
     runner = stepped.runner(torch.device("cpu"))
     batcher = _streaming(runner, max_wait_s=0.5)

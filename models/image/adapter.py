@@ -28,6 +28,7 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -501,7 +502,7 @@ class ImageGenerator(Model):
                 if running and held_s > GIVE_WAY_AFTER_S and feed.should_give_way():
                     feed.park((running, waiting))
                     return
-                waiting.extend(feed.take(budget))
+                waiting.extend(feed.take(budget, self._fitting(budget, running, waiting)))
                 gone = set(feed.cancelled([*running, *(key for key, _ in waiting)]))
                 if gone:
                     for key in gone:
@@ -548,6 +549,26 @@ class ImageGenerator(Model):
                         )
                 if answers:
                     feed.done(answers)
+
+    def _fitting(self, budget: float, running: dict, waiting: deque) -> Callable[[ImageJob], bool]:
+        """Whether each next request fits what is left of the stream's budget after those
+        running and waiting, counting those it let in before (into an empty loop, the
+        first always fits): a request is taken only as it can join, so that its wait
+        before is counted as its queue wait and it joins no batch it does not run in."""
+        left = budget - sum(self.units(r.job) for r in running.values())
+        left -= sum(self.units(job) for _, job in waiting)
+        empty = not running and not waiting
+
+        def fits(job: ImageJob) -> bool:
+            nonlocal left, empty
+            units = self.units(job)
+            if not empty and units > left:
+                return False
+            left -= units
+            empty = False
+            return True
+
+        return fits
 
     def _generate(self, device: str, batch: list[ImageJob], should_stop) -> list[GeneratedImages]:
         loop = self._loops.get(device)
