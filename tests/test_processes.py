@@ -702,30 +702,12 @@ def test_a_killed_fork_server_takes_its_children_and_the_launcher_starts_them_al
     assert [r.status_code for r in recognize_many(server, 4)] == [200] * 4
 
 
-def test_ctrl_c_drains_as_sigterm_does_every_accepted_request_answered(tiny_env):
-    """Ctrl-C in a terminal sends SIGINT to every process of the group at once. The HTTP
-    processes leave it to the launcher, whose SIGTERM then drains them: the requests in
-    flight are answered, where the launcher's SIGTERM coming second had cut them off
-    with 503 at once."""
-    server = start_restartable(tiny_env).server
-    try:
-        wait_whole(server)
-        launcher = psutil.Process(server.process.pid)
-        group = [launcher, *launcher.children(recursive=True)]
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            futures = [pool.submit(generate, server) for _ in range(3)]
-            wait_for(lambda: server.metric("texel_queue_depth", model="image") == 3)
-            for process in group:
-                process.send_signal(signal.SIGINT)
-            assert [f.result().status_code for f in futures] == [200] * 3
-        assert server.process.wait(GRACE_S + DRAIN_S + 10) == 0
-        assert "Traceback" not in server.log(10**7)
-    finally:
-        server.stop()
-
-
 # Last: it stops the server the tests above share.
 def test_sigterm_answers_every_accepted_request_then_exits_0_leaving_nothing_behind(restartable):
+    """SIGTERM to the launcher, as Kubernetes sends it, and SIGINT to every other process
+    as well, as Ctrl-C in a terminal sends it to the whole group: the children leave it
+    to the launcher, whose SIGTERM then drains them (taken as a second signal, it had cut
+    the requests in flight off with 503 at once)."""
     server = restartable.server
     wait_whole(server)
     wait_for(lambda: readiness(server)[0] == 200)
@@ -736,6 +718,8 @@ def test_sigterm_answers_every_accepted_request_then_exits_0_leaving_nothing_beh
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(generate, server) for _ in range(3)]
         wait_for(lambda: server.metric("texel_queue_depth", model="image") == 3)
+        for child in children:
+            child.send_signal(signal.SIGINT)
         server.process.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         # For the grace period the processes still listen, and say they drain.
