@@ -129,7 +129,8 @@ class FormulaAdvanced(Group):
 class FormulaSettings(ModelSettings):
     folder_files = (
         ("config.json",),
-        ("preprocessor_config.json",),
+        # An image processor saved alone, or a processor with one inside (transformers 5).
+        ("preprocessor_config.json", "processor_config.json"),
         ("tokenizer.json", "tokenizer_config.json"),
     )
     family = "VisionEncoderDecoderModel"

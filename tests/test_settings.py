@@ -176,7 +176,8 @@ def test_a_model_folder_is_accepted_and_a_folder_without_its_files_refused(envir
     assert problems(environment, TEXEL_FORMULA__MODEL=shipped) == []
     assert problems(environment, TEXEL_FORMULA__MODEL=str(tmp_path)) == [
         f"TEXEL_FORMULA__MODEL={tmp_path}: not a VisionEncoderDecoderModel folder, it has no "
-        "config.json, no preprocessor_config.json, no tokenizer.json or tokenizer_config.json"
+        "config.json, no preprocessor_config.json or processor_config.json, no tokenizer.json "
+        "or tokenizer_config.json"
     ]
 
 

@@ -1,9 +1,10 @@
 """`FormulaRecognizer`: a picture of a printed formula in, LaTeX out.
 
-Any transformers `VisionEncoderDecoderModel` with its tokenizer and
-`preprocessor_config.json`, from a local directory or a hub id. The lifecycle is
-the same as every Texel adapter: load, warm up, preprocess one request, bucket
-and cost, run a batch on a device, postprocess one result.
+Any transformers `VisionEncoderDecoderModel` with its tokenizer and its image
+processor's settings (`preprocessor_config.json`, or a processor's
+`processor_config.json`), from a local directory or a hub id. The lifecycle is the same
+as every Texel adapter: load, warm up, preprocess one request, bucket and cost, run a
+batch on a device, postprocess one result.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ QUICK_BYTES = 32 * 1024
 # Encoders whose position information copes with any input width.
 VARIABLE_WIDTH_ENCODERS = frozenset({"swin", "donut-swin", "swinv2"})
 
+# The longest output where neither the settings nor the model's generation config say.
+DEFAULT_MAX_NEW_TOKENS = 256
+# Decoders whose learned positions begin past the padding token's index (RoBERTa's).
+PADDING_OFFSET_DECODERS = frozenset({"roberta", "xlm-roberta", "camembert"})
+
 # Bucket width steps in input pixels. On a GPU every width group that joins a stream costs
 # one encoder replay whatever its rows, so fewer, wider buckets pay
 # (bench/device/formula_buckets.sh, bench/RESULTS.md); on a CPU padding is real compute.
@@ -86,6 +92,45 @@ def accepts_any_width(encoder_config) -> bool:
     return encoder_config.model_type in VARIABLE_WIDTH_ENCODERS or bool(
         getattr(encoder_config, "is_native", False)
     )
+
+
+def decoder_positions(decoder_config) -> int | None:
+    """How many tokens the decoder can read, its start token included: the size of its
+    learned position table (a greedy decode of N new tokens reads N); None where positions
+    are computed for any length (TrOCR's sinusoids)."""
+    if decoder_config.model_type == "trocr" and not decoder_config.use_learned_position_embeddings:
+        return None
+    size = getattr(decoder_config, "max_position_embeddings", None)
+    if size is None:
+        size = getattr(decoder_config, "n_positions", None)
+    if size is None:
+        return None
+    if decoder_config.model_type in PADDING_OFFSET_DECODERS:
+        size -= (decoder_config.pad_token_id or 0) + 1
+    return int(size)
+
+
+def default_max_new_tokens(generation: GenerationConfig | None, positions: int | None) -> int:
+    """The longest output where the settings name none: the generation config's
+    `max_new_tokens`, else `DEFAULT_MAX_NEW_TOKENS` or its `max_length` less the start
+    token, whichever is less; never more than the decoder's positions."""
+    limit = positions if positions is not None else math.inf
+    named = getattr(generation, "max_new_tokens", None)
+    if named:
+        if named > limit:
+            log.warning(
+                "the generation config's max_new_tokens=%d exceeds the decoder's %d "
+                "positions; answers stop at %d tokens",
+                named,
+                positions,
+                positions,
+            )
+        return int(min(named, limit))
+    longest = getattr(generation, "max_length", None)
+    candidates = [DEFAULT_MAX_NEW_TOKENS, limit]
+    if longest:
+        candidates.append(max(1, longest - 1))
+    return int(min(candidates))
 
 
 @dataclass(frozen=True)
@@ -181,18 +226,41 @@ class FormulaRecognizer(Model):
         transformers_logging.disable_progress_bar()  # a server's log is not a terminal
         self.tokenizer = AutoTokenizer.from_pretrained(self.source)
         config = AutoConfig.from_pretrained(self.source)
-        processor_file = cached_file(self.source, "preprocessor_config.json")
+        fixed_size = not accepts_any_width(config.encoder)
         self.spec = FormulaImageSpec.from_pretrained(
-            Path(processor_file).parent,
+            self._processor_folder(),
             channels=int(getattr(config.encoder, "num_channels", 1)),
-            fixed_size=not accepts_any_width(config.encoder),
+            fixed_size=fixed_size,
+            image_size=getattr(config.encoder, "image_size", None) if fixed_size else None,
         )
+        positions = decoder_positions(config.decoder)
         if self.max_new_tokens is None:
             try:
                 generation = GenerationConfig.from_pretrained(self.source)
             except OSError:  # no generation_config.json
                 generation = None
-            self.max_new_tokens = int(getattr(generation, "max_new_tokens", None) or 256)
+            self.max_new_tokens = default_max_new_tokens(generation, positions)
+        elif positions is not None and self.max_new_tokens > positions:
+            raise ValueError(
+                f"max_new_tokens={self.max_new_tokens} (TEXEL_FORMULA__ADVANCED__MAX_NEW_TOKENS)"
+                f" exceeds the decoder's {positions} positions; set it to {positions} or less"
+            )
+
+    def _processor_folder(self) -> Path:
+        """The folder that holds the image processor's settings: the model's own, or for a
+        hub id the cached snapshot (either file, as `image_processor_config` reads them)."""
+        if Path(self.source).is_dir():
+            return Path(self.source)
+        found = [
+            cached_file(self.source, name, _raise_exceptions_for_missing_entries=False)
+            for name in ("processor_config.json", "preprocessor_config.json")
+        ]
+        for file in found:  # both fetched: the processor's may lack the image section
+            if file is not None:
+                return Path(file).parent
+        raise FileNotFoundError(
+            f"{self.source} has no preprocessor_config.json or processor_config.json"
+        )
 
     def load(self, device: torch.device) -> None:
         """One model replica on `device`."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import logging
 import math
 import statistics
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ import numpy as np
 from PIL import Image, ImageChops, ImageOps
 
 from models.errors import CorruptImage, ImageTooLarge, UnsupportedImage
+
+log = logging.getLogger(__name__)
 
 # MPO is the JPEG of phone cameras that store more than one picture (Pillow names it
 # apart): its first picture is a JPEG.
@@ -110,14 +113,16 @@ class FormulaImageSpec:
     accepts, `width_multiple` the granularity every padded width must respect
     (the patch size times the encoder's total downsampling). `max_upscale`
     limits how much a small formula is enlarged; the rest is vertical padding.
+    `mean` and `std` normalize the pixels (0 to 1): one value for every channel, or
+    one per channel (an RGB model's ImageNet statistics).
     """
 
     height: int = 64
     max_width: int = 1024
     width_multiple: int = 32
     channels: int = 1
-    mean: float = 0.5
-    std: float = 0.5
+    mean: float | tuple[float, ...] = 0.5
+    std: float | tuple[float, ...] = 0.5
     margin: int = 2
     max_upscale: float | None = None
     # The median stroke width (px) of the model's training images at their native scale:
@@ -136,22 +141,43 @@ class FormulaImageSpec:
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, channels: int = 1, fixed_size: bool = False
+        cls,
+        model_dir: str | Path,
+        channels: int = 1,
+        fixed_size: bool = False,
+        image_size: int | list[int] | tuple[int, int] | None = None,
     ) -> FormulaImageSpec:
-        """Read the `preprocessor_config.json` saved beside a formula model."""
-        raw = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
-        size = raw.get("size", {})
-        if isinstance(size, int):  # older processors store one square size
-            size = {"height": size, "width": size}
-        mean = raw.get("image_mean", [0.5])
-        std = raw.get("image_std", [0.5])
+        """Read the image processor's settings saved beside a formula model
+        (`image_processor_config`).
+
+        `image_size` is a fixed-size encoder's input size (its config's `image_size`, one
+        side or height and width). It wins over the size the processor names: it is what
+        the weights were trained with, and the only size the encoder takes.
+        """
+        raw = image_processor_config(model_dir)
+        height, width = _processor_size(raw)
+        if fixed_size and image_size is not None:
+            sides = [image_size] * 2 if isinstance(image_size, int) else list(image_size)
+            encoder = (int(sides[0]), int(sides[1]))
+            named = (height or encoder[0], width or encoder[1])
+            if named != encoder:
+                log.warning(
+                    "the image processor of %s names an input size of %dx%d, its encoder's "
+                    "config %dx%d; using the encoder's, which its weights were trained with",
+                    model_dir,
+                    *named,
+                    *encoder,
+                )
+            height, width = encoder
+        normalize = bool(raw.get("do_normalize", True))
         return cls(
-            height=int(size.get("height", cls.height)),
-            max_width=int(size.get("width", cls.max_width)),
+            height=height or cls.height,
+            max_width=width or cls.max_width,
             width_multiple=int(raw.get("texel_width_multiple", cls.width_multiple)),
             channels=channels,
-            mean=float(mean[0] if isinstance(mean, list) else mean),
-            std=float(std[0] if isinstance(std, list) else std),
+            # Without normalization a model reads the rescaled pixels as they are.
+            mean=_per_channel(raw.get("image_mean", 0.5), channels) if normalize else 0.0,
+            std=_per_channel(raw.get("image_std", 0.5), channels) if normalize else 1.0,
             margin=int(raw.get("texel_margin", cls.margin)),
             max_upscale=raw.get("texel_max_upscale"),
             stroke_width=raw.get("texel_stroke_width", cls.stroke_width),
@@ -169,8 +195,8 @@ class FormulaImageSpec:
             "rescale_factor": 1 / 255,
             "do_normalize": True,
             "size": {"height": self.height, "width": self.max_width},
-            "image_mean": [self.mean] * self.channels,
-            "image_std": [self.std] * self.channels,
+            "image_mean": list(self.channel_values(self.mean)),
+            "image_std": list(self.channel_values(self.std)),
             "texel_width_multiple": self.width_multiple,
             "texel_margin": self.margin,
             "texel_max_upscale": self.max_upscale,
@@ -178,6 +204,72 @@ class FormulaImageSpec:
             "texel_glyph_height": self.glyph_height,
             "texel_max_skew": self.max_skew,
         }
+
+    def channel_values(self, value: float | tuple[float, ...]) -> tuple[float, ...]:
+        """`mean` or `std` as one value per channel."""
+        return value if isinstance(value, tuple) else (value,) * self.channels
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every channel is normalized alike (one gray strip, repeated)."""
+        return not isinstance(self.mean, tuple) and not isinstance(self.std, tuple)
+
+
+def image_processor_config(model_dir: str | Path) -> dict:
+    """The image processor's settings in a model folder, where transformers looks for them:
+    the "image_processor" section of `processor_config.json` (what a processor's
+    `save_pretrained` writes in transformers 5, such as TrOCRProcessor's), else
+    `preprocessor_config.json` (an image processor saved alone, and older processors)."""
+    folder = Path(model_dir)
+    processor = folder / "processor_config.json"
+    if processor.is_file():
+        nested = json.loads(processor.read_text()).get("image_processor")
+        if isinstance(nested, dict):
+            return nested
+    image_processor = folder / "preprocessor_config.json"
+    if image_processor.is_file():
+        return json.loads(image_processor.read_text())
+    raise FileNotFoundError(
+        f"{model_dir} has no preprocessor_config.json, nor a processor_config.json with an "
+        '"image_processor" section: the image processor\'s settings (save it with '
+        "save_pretrained beside the model)"
+    )
+
+
+def _processor_size(raw: dict) -> tuple[int | None, int | None]:
+    """The input height and width an image processor's settings name (None: not named):
+    its crop where it crops the centre, else its size, as height and width, one square
+    side, or a shortest edge (the height of a formula, which is wider than tall) and an
+    optional longest edge."""
+    size = raw.get("crop_size") if raw.get("do_center_crop") else None
+    size = size if size is not None else raw.get("size")
+    if isinstance(size, int):  # older processors store one square size
+        return size, size
+    if not isinstance(size, dict):
+        return None, None
+    if "height" in size or "width" in size:
+        return _side(size.get("height")), _side(size.get("width"))
+    return _side(size.get("shortest_edge")), _side(size.get("longest_edge"))
+
+
+def _side(value) -> int | None:
+    return None if value is None else int(value)
+
+
+def _per_channel(value, channels: int) -> float | tuple[float, ...]:
+    """An image processor's `image_mean` or `image_std` for a model of `channels`
+    channels: one float where every channel has the same value, else one per channel."""
+    values = [float(v) for v in value] if isinstance(value, (list, tuple)) else [float(value)]
+    if len(set(values)) == 1:
+        return values[0]
+    if channels == 1:  # per-colour statistics for a gray model: its one channel's
+        return values[0]
+    if len(values) != channels:
+        raise ValueError(
+            f"the image processor has {len(values)} normalization values ({values}) for an "
+            f"encoder of {channels} channels"
+        )
+    return tuple(values)
 
 
 def png_pixels(data: bytes) -> int | None:
@@ -748,7 +840,10 @@ def fit_to_height(
 
 
 def bucket_width(width: int, spec: FormulaImageSpec, step: int) -> int:
-    """The padded width for a strip `width` pixels wide: the next multiple of `step`."""
+    """The padded width for a strip `width` pixels wide: the next multiple of `step`; a
+    fixed-size encoder's one width for every strip (each is stretched to it)."""
+    if spec.fixed_size:
+        return spec.max_width
     step = max(spec.width_multiple, step - step % spec.width_multiple)
     return min(spec.max_width, max(step, math.ceil(width / step) * step))
 
@@ -788,15 +883,25 @@ def pad_strips(strips: list[np.ndarray], width: int, out: np.ndarray | None = No
 
 def pad_and_normalize(strips: list[np.ndarray], width: int, spec: FormulaImageSpec) -> np.ndarray:
     """Stack strips into a float32 batch [N, C, H, width], padded with white on the right."""
-    pixels = (pad_strips(strips, width).astype(np.float32) / 255.0 - spec.mean) / spec.std
-    return np.repeat(pixels[:, None], spec.channels, axis=1)
+    if spec.uniform:
+        pixels = (pad_strips(strips, width).astype(np.float32) / 255.0 - spec.mean) / spec.std
+        return np.repeat(pixels[:, None], spec.channels, axis=1)
+    gray = pad_strips(strips, width).astype(np.float32)[:, None] / 255.0
+    mean = np.array(spec.channel_values(spec.mean), dtype=np.float32)[None, :, None, None]
+    std = np.array(spec.channel_values(spec.std), dtype=np.float32)[None, :, None, None]
+    return (gray - mean) / std
 
 
 def normalize_pixels(batch, spec: FormulaImageSpec):
     """`pad_and_normalize`'s arithmetic on a uint8 torch batch [N, H, W], on its device:
     float32 [N, C, H, W] with the same values."""
-    pixels = (batch.float() / 255.0 - spec.mean) / spec.std
-    return pixels[:, None].expand(-1, spec.channels, -1, -1)
+    if spec.uniform:
+        pixels = (batch.float() / 255.0 - spec.mean) / spec.std
+        return pixels[:, None].expand(-1, spec.channels, -1, -1)
+    gray = batch.float()[:, None] / 255.0
+    mean = gray.new_tensor(spec.channel_values(spec.mean)).view(1, -1, 1, 1)
+    std = gray.new_tensor(spec.channel_values(spec.std)).view(1, -1, 1, 1)
+    return (gray - mean) / std
 
 
 @dataclass(frozen=True)
