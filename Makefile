@@ -36,7 +36,9 @@ lock:
 	{ echo "# The versions make install and the image install (pip -c): written by make lock."; \
 	  $(PY) -m pip freeze --exclude-editable | sed -E 's/\+[a-z0-9.]+$$//'; } > $(LOCK)
 
-run: install
+# Installs only where nothing is installed yet: serving needs no network, and a newer
+# pyproject.toml or lock waits for `make install` (or `make test`).
+run: $(if $(wildcard $(STAMP)),,install)
 	$(VENV)/bin/texel serve --host $(HOST) --port $(PORT)
 
 # Two workers, each taking whole test files (a file's servers are module fixtures): most

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 
 from app.settings import CLIENT_API_KEY, InvalidSettings, Settings, read_settings
 
+WINDOW_S = (0.5, 120.0)  # the sampling windows `GET /debug/bottleneck` takes (app/routes.py)
 KEY_HELP = (
     f"the server's API key (default: ${CLIENT_API_KEY}, which other users cannot read "
     "with ps as they can a command line)"
@@ -31,11 +33,17 @@ quiet_third_party()
 
 def settings_or_exit(serving: bool) -> Settings:
     """The settings from the environment; on any problem with them, a line per problem
-    and exit status 2, as a usage error, with no traceback. `serving`: also refuse what
-    `texel serve` cannot start with (`Settings.serving_problems`)."""
+    and exit status 2, as a usage error, with no traceback. It also refuses what the
+    command could not serve with (`Settings.serving_problems`): with `serving`, `texel
+    serve`; without, `texel recognize` in its own process, which serves the formula
+    model alone and, as a client, reads `TEXEL_API_KEY`."""
     try:
         settings = read_settings(client=not serving)
-        problems = settings.serving_problems() if serving else []
+        if serving:
+            problems = settings.serving_problems()
+        else:  # with the formula model disabled, `recognize_cli.run` says so itself
+            formula = settings.alone("formula")
+            problems = formula.serving_problems() if formula.models() else []
     except InvalidSettings as exc:
         problems = exc.problems
     if problems:
@@ -53,6 +61,19 @@ def port(text: str) -> int:
     if not 0 <= number <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 to 65535)")
     return number
+
+
+def window(text: str) -> float:
+    """A sampling window in seconds for argparse: what `GET /debug/bottleneck` takes."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not WINDOW_S[0] <= seconds <= WINDOW_S[1]:  # false for nan too
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a window in seconds ({WINDOW_S[0]:g} to {WINDOW_S[1]:g})"
+        )
+    return seconds
 
 
 def client_key(given: str | None) -> str | None:
@@ -108,7 +129,9 @@ def main(argv: list[str] | None = None) -> None:
         "diagnose", help="ask a running server where its bottleneck is (four quadrants)"
     )
     diagnose_cmd.add_argument("--url", default="http://127.0.0.1:8000")
-    diagnose_cmd.add_argument("--window", type=float, default=10.0, help="seconds to sample")
+    diagnose_cmd.add_argument(
+        "--window", type=window, default=10.0, help="seconds to sample (0.5 to 120)"
+    )
     diagnose_cmd.add_argument("--api-key", default=None, help=KEY_HELP)
     recognize_cmd = commands.add_parser(
         "recognize",
@@ -150,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "recognize":
         from app.recognize_cli import run
 
-        if args.url is None:  # the model runs in this process, as the settings say
+        if args.url is None:  # the model runs in this process: checked as serve checks it
             settings_or_exit(serving=False)
         sys.exit(
             run(

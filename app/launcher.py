@@ -154,11 +154,18 @@ def single_process_app(settings: Settings, plan: ProcessPlan | None = None):
 
 
 def _serve_single(settings: Settings, plan: ProcessPlan, host: str, port: int) -> None:
+    """Serve in this process until SIGTERM or SIGINT, each drained (`TexelServer`).
+    uvicorn raises the SIGINT it caught again once it has stopped, a KeyboardInterrupt
+    here: Ctrl-C then ends the process with exit status 130, as a shell expects of a
+    command it interrupted, and no traceback."""
     from app.server import TexelServer, uvicorn_config
 
-    app = single_process_app(settings, plan)
-    log.info("serving in one process (uvicorn says where); %s", LOADING)
-    TexelServer(uvicorn_config(app, settings, host=host, port=port), app.state.runtime).run()
+    try:
+        app = single_process_app(settings, plan)
+        log.info("serving in one process (uvicorn says where); %s", LOADING)
+        TexelServer(uvicorn_config(app, settings, host=host, port=port), app.state.runtime).run()
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 def run_engine_process(

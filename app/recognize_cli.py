@@ -68,11 +68,11 @@ def line_path(image: Path, folder: Path | None) -> str:
 def last_lines(out: Path) -> dict[Path, bool]:
     """Each image with a line in `out` (its path read from `out`'s folder), and whether
     its last line, the one that counts, holds LaTeX. A line cut short by an interruption
-    is not counted."""
+    is not counted. UnicodeDecodeError: `out` is not text (such as a picture)."""
     last: dict[Path, bool] = {}
     if not out.exists():
         return last
-    with out.open() as lines:
+    with out.open(encoding="utf-8") as lines:
         for line in lines:
             try:
                 record = json.loads(line)
@@ -226,12 +226,7 @@ class LocalRecognizer(Recognizer):
         settings = settings or Settings()
         if "formula" not in settings.models():
             raise RecognizeError("the formula model is disabled (TEXEL_FORMULA__ENABLED)")
-        others = {
-            key: entry.model_copy(update={"enabled": False})
-            for key, entry in settings.models().items()
-            if key != "formula"
-        }
-        self.settings = settings.model_copy(update=others)
+        self.settings = settings.alone("formula")
         self.concurrency = concurrency  # unset: the formula model's batch size, once placed
         self.runtime = None
 
@@ -350,8 +345,11 @@ def run(
     could not start, 130 when interrupted (Ctrl-C; the same command again resumes)."""
     if concurrency is not None and concurrency < 1:
         return stop(f"--concurrency must be 1 or more, not {concurrency}")
+    if url is not None and not url.strip():  # an unset variable in `--url "$SERVER"`
+        return stop("--url is empty; leave it out to run the model in this process")
     sink_path = Path(out) if out is not None else None
     folder = None
+    last: dict[Path, bool] = {}  # the lines already in --out
     if sink_path is not None:
         # Checked before any work: a typo in a folder name is an error, not a new folder.
         if sink_path.is_dir():
@@ -361,6 +359,10 @@ def run(
         if not sink_path.parent.is_dir():
             return stop(f"--out {out}: there is no folder {sink_path.parent}")
         folder = sink_path.parent.resolve()
+        try:
+            last = last_lines(sink_path)
+        except UnicodeDecodeError:  # a picture named by mistake: left as it is
+            return stop(f"--out {out} is not a JSON lines file")
     try:
         passed_over: list[Path] = []
         images = find_images(paths, passed_over)
@@ -375,7 +377,6 @@ def run(
         )
     failed_before = 0  # images left as they are whose last line is an error
     if sink_path is not None:
-        last = last_lines(sink_path)
         done = {path for path, ok in last.items() if ok or not retry_failed}
         todo = [path for path in images if path.resolve() not in done]
         failed_before = sum(not last[p.resolve()] for p in images if p.resolve() in done)
@@ -398,7 +399,7 @@ def run(
     async def main() -> None:
         recognizer = (
             ServerRecognizer(url, api_key, concurrency or 16)
-            if url
+            if url is not None
             else LocalRecognizer(concurrency=concurrency)
         )
         async with recognizer:

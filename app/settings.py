@@ -57,10 +57,12 @@ NOT_SETTINGS = frozenset(
 DAY_S = 86_400.0  # the longest time setting: longer ones overflow the event loop's timers
 
 
-# A group of settings: numbers are finite (no `inf` or `nan` seconds or bytes). No
-# docstring: configuration.md would give it to every group without one of its own.
+# A group of settings: numbers are finite (no `inf` or `nan` seconds or bytes), and a
+# key of its JSON form (TEXEL_FORMULA='{...}') that names no setting is refused, as an
+# unknown variable is. No docstring: configuration.md would give it to every group
+# without one of its own.
 class Group(BaseModel):
-    model_config = ConfigDict(allow_inf_nan=False)
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
 
 class ModelSettings(Group):
@@ -307,6 +309,7 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(
         10 * 1024 * 1024,
         ge=1024,
+        le=2**30,  # held in memory, 32 times over: past that, no limit at all
         description="Largest image upload. The request bodies an HTTP process holds at once "
         "add up to at most 32 times it; a body past that is answered 503.",
     )
@@ -349,6 +352,16 @@ class Settings(BaseSettings):
             if isinstance(entry, ModelSettings) and entry.enabled
         }
 
+    def alone(self, key: str) -> Settings:
+        """These settings with every model but `key` disabled (`texel recognize` in its
+        own process serves the formula model alone)."""
+        others = {
+            name: entry.model_copy(update={"enabled": False})
+            for name, entry in self.models().items()
+            if name != key
+        }
+        return self.model_copy(update=others)
+
     def serving_problems(self) -> list[str]:
         """Why `texel serve` cannot start with these settings, one line each: a device
         that is not there, an enabled model whose `model` is plainly a folder (a hub id
@@ -365,6 +378,10 @@ class Settings(BaseSettings):
         for key, entry in self.models().items():
             path = entry.model
             plainly_a_path = path.startswith(("/", "./", "../", "~")) or path.count("/") > 1
+            unreadable = cannot_read(path)
+            if unreadable:
+                problems.append(f"{env_name(key, 'model')}={path}: cannot read it ({unreadable})")
+                continue
             if Path(path).is_dir():
                 lacking = [
                     " or ".join(names)
@@ -435,6 +452,19 @@ class Settings(BaseSettings):
         return origins
 
 
+def cannot_read(path: str) -> str | None:
+    """Why this process cannot read the model folder at `path` (`Permission denied`,
+    for it or a folder above it), or None: it can, or nothing is there. Its files would
+    otherwise be looked for with a traceback, or not found for the wrong reason."""
+    try:
+        if Path(path).is_dir():
+            os.listdir(path)  # its names: the folder's read permission
+            os.stat(os.path.join(path, "."))  # its files: the folder's search permission
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
+
+
 class InvalidSettings(Exception):
     """Settings Texel cannot start with: `problems` holds one line per problem, each
     naming its environment variable."""
@@ -453,9 +483,10 @@ def read_settings(client: bool = False) -> Settings:
     try:
         settings = Settings()
     except ValidationError as exc:
-        problems += [_problem(error) for error in exc.errors()]
+        lines = (_problem(error, os.environ) for error in exc.errors())
+        problems += [line for line in lines if line is not None]
     except pydantic_settings.SettingsError as exc:  # a nested group's JSON that does not parse
-        problems.append(str(exc))
+        problems += unparsed_groups(os.environ) or [str(exc)]
     if problems:
         raise InvalidSettings(problems)
     return settings
@@ -504,10 +535,47 @@ def _variables(cls: type[BaseModel], *path: str) -> Iterator[tuple[str, bool]]:
             yield from _variables(field.annotation, *path, name)
 
 
-def _problem(error: ErrorDetails) -> str:
-    """A pydantic error as a line naming the variable, the value and what is allowed."""
+def unparsed_groups(environ: Mapping[str, str]) -> list[str]:
+    """One line for each variable of a group in `environ` whose value is not JSON."""
+    groups = {name for name, nested in _variables(Settings) if nested}
+    problems = []
+    for name in sorted(environ):
+        if name.upper() in groups:
+            try:
+                json.loads(environ[name])
+            except ValueError as exc:
+                problems.append(f"{name}={environ[name]}: not valid JSON ({exc})")
+    return problems
+
+
+def _problem(error: ErrorDetails, environ: Mapping[str, str]) -> str | None:
+    """A pydantic error as a line naming the variable, the value and what is allowed;
+    None for a key that names no setting and has a variable of its own, which
+    `unknown_variables` reports."""
+    path = [part for part in error["loc"] if isinstance(part, str)]  # not a list's index
+    if error["type"] == "extra_forbidden":
+        return _unknown_key(path, environ)
     message = error["msg"].removeprefix("Value error, ")
     if message.startswith("Input should"):
         message = message.removeprefix("Input ")
-    path = [part for part in error["loc"] if isinstance(part, str)]  # not a list's index
     return f"{env_name(*path)}={error['input']}: {message}"
+
+
+def _unknown_key(path: list[str], environ: Mapping[str, str]) -> str | None:
+    """The line for a key at `path` that names no setting, given in the JSON value of a
+    group's variable (`TEXEL_FORMULA='{"max_batch": 3}'`), with the setting of that
+    group it may be a misspelling of; None where it came from a variable of its own."""
+    names = {name.upper(): name for name in environ}
+    if env_name(*path) in names:
+        return None
+    cut = next((n for n in range(len(path) - 1, 0, -1) if env_name(*path[:n]) in names), 1)
+    variable = names.get(env_name(*path[:cut]), env_name(*path[:cut]))
+    inside, key = path[cut:-1], path[-1]
+    group: type[BaseModel] = Settings
+    for part in path[:-1]:
+        group = group.model_fields[part].annotation
+    problem = f"{variable}: the key {'.'.join([*inside, key])} names no setting"
+    close = difflib.get_close_matches(key.lower(), list(group.model_fields), n=1)
+    if close:
+        problem += f"; did you mean {'.'.join([*inside, close[0]])}?"
+    return problem

@@ -288,3 +288,28 @@ def test_ctrl_c_stops_with_a_line_that_says_how_many_were_written_and_how_to_res
     assert "Traceback" not in err
     assert texel_recognize(*command).returncode == 0
     assert sorted(Path(r["path"]).name for r in lines(out)) == sorted(os.listdir(images))
+
+
+def test_an_output_file_that_is_not_json_lines_is_refused_and_left_as_it_was(folder, tmp_path):
+    """`--out` naming a picture by mistake: its bytes are no text to read lines from."""
+    victim = tmp_path / "victim.png"
+    victim.write_bytes(formula_png())
+    before = victim.read_bytes()
+    unreachable = f"http://127.0.0.1:{free_port()}"  # refused before any image is sent
+    done = texel_recognize(str(folder), "--out", str(victim), "--url", unreachable)
+    assert (done.returncode, done.stderr.splitlines()) == (
+        2,
+        [f"texel recognize: --out {victim} is not a JSON lines file"],
+    )
+    assert victim.read_bytes() == before
+
+
+def test_an_empty_url_is_refused_rather_than_taken_for_no_url(folder, tmp_path):
+    """An unset variable in `--url "$SERVER"` would otherwise run the model in this
+    process, with none of the checks that it makes without --url."""
+    env = {"TEXEL_FORMULA__MODEL": "/nonexistent/model"}
+    done = texel_recognize(str(folder / "a.png"), "--url", "", env=env)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.splitlines() == [
+        "texel recognize: --url is empty; leave it out to run the model in this process"
+    ]
