@@ -3,13 +3,15 @@ image bytes from it without reaching the batcher."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import httpx
 import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from app.launcher import single_process_app
-from app.recognition_cache import RecognitionCache
+from app.recognition_cache import MIB, RecognitionCache
 from app.settings import Settings
 from telemetry import add_span_processor
 from tests.conftest import formula_png
@@ -50,6 +52,26 @@ def test_reading_an_answer_keeps_it_over_older_ones():
     assert cache.put(cache.key(b"newcomer", "formula"), "z ^ 9", "z^9") >= 1
     assert cache.get(oldest) is not None
     assert cache.get(second) is None
+
+
+@pytest.mark.parametrize("length", [0, 20, 100])
+def test_a_full_cache_holds_no_more_memory_than_its_budget(length):
+    """What the cache counts against what Python allocates for it (tracemalloc): keys,
+    strings, confidences, its entries and the room its tables keep spare, full of
+    answers of `length` characters."""
+    budget = 4 * MIB
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        cache = RecognitionCache(max_bytes=budget)
+        for i in range(4 * budget // 300):  # more than fit: it is full, and evicting
+            latex = f"{i:08d}" + "x" * length
+            cache.put(cache.key(latex.encode(), "formula"), latex, latex.replace("x", "y"), i / 7)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert cache.nbytes <= budget
+    assert held <= budget, f"{held / budget:.2f} times its budget, {len(cache)} answers"
 
 
 def test_a_budget_of_zero_stores_nothing():
