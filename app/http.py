@@ -98,19 +98,21 @@ class BodySizeLimit:
         deadline = asyncio.get_running_loop().time() + timeout_s
         received = 0
         unread = True
+        refused = False  # over its limit or the budget: the rest is not read
         held = 0  # this body's share of the budget
 
         def hold(size: int) -> None:
-            nonlocal held
+            nonlocal held, refused
             if size <= held:
                 return
             if self.held + size - held > self.budget:
+                refused = True
                 raise too_many_uploads(self.budget)
             self.held += size - held
             held = size
 
         async def bounded_receive() -> Message:
-            nonlocal received, unread
+            nonlocal received, unread, refused
             if not unread:  # the body is in; what comes now is a disconnect
                 return await receive()
             try:
@@ -122,15 +124,19 @@ class BodySizeLimit:
                 received += len(message.get("body", b""))
                 unread = message.get("more_body", False)  # a refusal then reads no more
                 if received > limit:
+                    refused = True
                     raise payload_too_large(limit)
                 hold(received)
             return message
 
         async def discard_body() -> bool:
             """Read the rest of the body and drop it; False if it cannot be read whole
-            (over the limit, too slow, or the client gone), or if the client waits to be
-            told to send it (`Expect: 100-continue`, nothing read yet): it then never
+            (over the limit, too slow, or the client gone), if it was refused for its
+            size or the budget (the rest is not waited for), or if the client waits to
+            be told to send it (`Expect: 100-continue`, nothing read yet): it then never
             sends it, and the connection closes without it."""
+            if refused:
+                return False
             if received == 0 and headers.get(b"expect", b"").lower() == b"100-continue":
                 return False
             try:

@@ -304,7 +304,11 @@ class Settings(BaseSettings):
         "formula decoder's weights in int8.",
     )
     request_timeout_s: float = Field(
-        60.0, gt=0, le=DAY_S, description="Deadline of a request from arrival; past it, 504."
+        60.0,
+        gt=0,
+        le=DAY_S,
+        description="Deadline of a request from when its body has been read; past it, 504 "
+        "(its head and its body each have as long to arrive; past that, 408).",
     )
     max_upload_bytes: int = Field(
         10 * 1024 * 1024,

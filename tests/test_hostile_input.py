@@ -117,6 +117,23 @@ def closed_by_server(sock: socket.socket, within_s: float) -> bool:
 # -- bodies over the size limit, streamed without a Content-Length ------------------
 
 
+def test_a_chunked_body_that_passes_its_limit_is_answered_at_once_not_at_the_timeout(hostile):
+    """Refused as it passes its limit, a body's rest is not waited for: a client that
+    then pauses gets its 413 at once, not at the request timeout, and the connection
+    closes."""
+    request = head(
+        "POST", "/recognize", {**AUTH, "Content-Type": "image/png", "Transfer-Encoding": "chunked"}
+    )
+    over = b"\x89PNG" + b"\0" * UPLOAD_LIMIT
+    with connect(hostile) as sock:
+        sock.sendall(request + b"%x\r\n%s\r\n" % (len(over), over))  # no last chunk
+        started = time.monotonic()
+        answer = read_answer(sock)
+        assert time.monotonic() - started < REQUEST_TIMEOUT_S / 2
+        assert answer.status == 413 and answer.code() == "payload_too_large"
+        assert answer.headers.get("connection") == "close"
+
+
 def test_a_chunked_multipart_upload_over_the_limit_gets_413(hostile):
     boundary = "texelboundary"
     body = (
