@@ -28,7 +28,7 @@ class CachedRecognition:
     latex: str
     compact: str
     confidence: float | None
-    nbytes: int = 0  # what it counts for in the cache's budget
+    nbytes: int  # what it counts for in the cache's budget
 
 
 def _size(key: bytes, latex: str, compact: str) -> int:

@@ -152,8 +152,7 @@ class _Observed:
 
     def __init__(self, route: str) -> None:
         self.route = route
-        self.streaming = False
-        self.left = False
+        self.streaming = False  # a stream's background task ends it, not __exit__
 
     def __enter__(self):
         self.started = time.perf_counter()
@@ -175,16 +174,11 @@ class _Observed:
 
     def _streamed(self, status: int, trace_id: str | None) -> None:
         self.finish(status, trace_id)
-        self._leave()
-
-    def _leave(self) -> None:
-        if not self.left:  # once, whichever way the request ends
-            self.left = True
-            metrics.INFLIGHT.labels(self.route).dec()
+        metrics.INFLIGHT.labels(self.route).dec()
 
     def __exit__(self, *exc_info):
         if not self.streaming:
-            self._leave()
+            metrics.INFLIGHT.labels(self.route).dec()
 
 
 async def _handle(request: Request, route: str, flow) -> Response:

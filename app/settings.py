@@ -313,7 +313,7 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(
         10 * 1024 * 1024,
         ge=1024,
-        le=2**30,  # held in memory, 32 times over: past that, no limit at all
+        le=2**30,  # bodies are held in memory, up to 32 times this
         description="Largest image upload. The request bodies an HTTP process holds at once "
         "add up to at most 32 times it; a body past that is answered 503.",
     )

@@ -27,7 +27,6 @@ import secrets
 import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -489,10 +488,8 @@ class ImageGenerator(Model):
         every `GIVE_WAY_AFTER_S`, and goes on after it (`batching.stream`)."""
         loop = self._loops[device]
         budget = self._capacity.get(device, 1)
-        waiting: deque[tuple[int, ImageJob]] = deque()  # taken, not yet joined
-        running: dict[int, Denoising] = {}
-        if feed.resumed is not None:  # it gave the thread up to other work and goes on
-            running, waiting = feed.resumed
+        # Its requests, if it gave the thread up to other work and goes on.
+        running: dict[int, Denoising] = feed.resumed if feed.resumed is not None else {}
         slice_started = time.perf_counter()
         used_gauge = metrics.LOOP_USED.labels(self.name, device)
         with torch.inference_mode():
@@ -500,26 +497,22 @@ class ImageGenerator(Model):
                 held_s = time.perf_counter() - slice_started
                 # Another model's work waits for this thread: it runs next, then this.
                 if running and held_s > GIVE_WAY_AFTER_S and feed.should_give_way():
-                    feed.park((running, waiting))
+                    feed.park(running)
                     return
-                waiting.extend(feed.take(budget, self._fitting(budget, running, waiting)))
-                gone = set(feed.cancelled([*running, *(key for key, _ in waiting)]))
+                taken = feed.take(budget, self._fitting(budget, running))
+                gone = set(feed.cancelled([*running, *(key for key, _ in taken)]))
                 if gone:
                     for key in gone:
                         running.pop(key, None)
-                    waiting = deque(item for item in waiting if item[0] not in gone)
+                    taken = [item for item in taken if item[0] not in gone]
                     feed.done([(key, Cancelled("the client went away")) for key in gone])
-                used = sum(self.units(r.job) for r in running.values())
-                while waiting and (not running or used + self.units(waiting[0][1]) <= budget):
-                    key, job = waiting.popleft()
+                for key, job in taken:  # each fits the budget: `_fitting` let in no more
                     try:
                         with out_of_memory_as_batching_error():
                             running[key] = loop.join(job)
                     except Exception as exc:  # this request cannot start; the rest go on
                         feed.done([(key, exc)])
-                        continue
-                    used += self.units(job)
-                used_gauge.set(used)
+                used_gauge.set(sum(self.units(r.job) for r in running.values()))
                 if not running:
                     if feed.finish():
                         return
@@ -550,14 +543,13 @@ class ImageGenerator(Model):
                 if answers:
                     feed.done(answers)
 
-    def _fitting(self, budget: float, running: dict, waiting: deque) -> Callable[[ImageJob], bool]:
+    def _fitting(self, budget: float, running: dict) -> Callable[[ImageJob], bool]:
         """Whether each next request fits what is left of the stream's budget after those
-        running and waiting, counting those it let in before (into an empty loop, the
-        first always fits): a request is taken only as it can join, so that its wait
-        before is counted as its queue wait and it joins no batch it does not run in."""
+        running, counting those it let in before (into an empty loop, the first always
+        fits): a request is taken only as it can join, so that its wait before is counted
+        as its queue wait and it joins no batch it does not run in."""
         left = budget - sum(self.units(r.job) for r in running.values())
-        left -= sum(self.units(job) for _, job in waiting)
-        empty = not running and not waiting
+        empty = not running
 
         def fits(job: ImageJob) -> bool:
             nonlocal left, empty
