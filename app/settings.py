@@ -287,7 +287,7 @@ class AdvancedSettings(Group):
 class Settings(BaseSettings):
     """`texel serve` refuses to start, with exit status 2 and a line per problem, on a
     `TEXEL_` variable that names no setting, a value a setting does not allow, a model
-    folder that is not there, or no model enabled."""
+    folder that is not there or that it cannot read, or no model enabled."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -457,16 +457,33 @@ class Settings(BaseSettings):
 
 
 def cannot_read(path: str) -> str | None:
-    """Why this process cannot read the model folder at `path` (`Permission denied`,
-    for it or a folder above it), or None: it can, or nothing is there. Its files would
-    otherwise be looked for with a traceback, or not found for the wrong reason."""
+    """Why this process cannot read the model folder at `path` (`Permission denied`, for
+    it, a folder above it, or a file or folder in it, which is then named), or None: it
+    can, or nothing is there. Its files would otherwise be looked for with a traceback,
+    not found for the wrong reason, or fail the model only once its engine loads them.
+    Hidden entries (a clone's `.git`) are no loader's and are not checked."""
     try:
-        if Path(path).is_dir():
-            os.listdir(path)  # its names: the folder's read permission
-            os.stat(os.path.join(path, "."))  # its files: the folder's search permission
+        if not Path(path).is_dir():
+            return None
+        os.listdir(path)  # its names: the folder's read permission
+        os.stat(os.path.join(path, "."))  # its files: the folder's search permission
     except OSError as exc:
         return exc.strerror or type(exc).__name__
-    return None
+    problems: list[OSError] = []
+    for folder, subfolders, files in os.walk(path, onerror=problems.append):
+        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        for name in files:
+            if name.startswith("."):
+                continue
+            try:
+                with open(os.path.join(folder, name), "rb"):
+                    pass
+            except OSError as exc:
+                problems.append(exc)
+    if not problems:
+        return None
+    first = problems[0]
+    return f"{os.path.relpath(str(first.filename), path)}: {first.strerror or type(first).__name__}"
 
 
 class InvalidSettings(Exception):

@@ -199,33 +199,40 @@ def without_dac_override() -> None:
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
-def test_serve_refuses_a_model_folder_it_cannot_read_in_one_line(tmp_path):
-    locked = tmp_path / "formula"
-    locked.mkdir()
+@pytest.mark.parametrize("locked_part", [".", "tokenizer.json"])
+def test_serve_refuses_a_model_folder_it_cannot_read_in_one_line(tmp_path, locked_part):
+    """The folder itself, or one file in it (which failed the model only as its engine
+    loaded it, with a traceback)."""
+    folder = tmp_path / "formula"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text("{}")
+    locked = folder / locked_part
     locked.chmod(0)
     try:
         probe = subprocess.run(
-            [sys.executable, "-c", f"import os; os.listdir({str(locked)!r})"],
+            [sys.executable, "-c", f"open({str(folder / 'tokenizer.json')!r})"],
             preexec_fn=without_dac_override,
             capture_output=True,
         )
     except subprocess.SubprocessError as exc:
         pytest.skip(f"running as root, and the capabilities that ignore modes stay: {exc}")
     if probe.returncode == 0:
-        pytest.skip("a folder of mode 000 is readable here (root with CAP_DAC_OVERRIDE)")
+        pytest.skip("a path of mode 000 is readable here (root with CAP_DAC_OVERRIDE)")
     try:
         result = texel(
             "serve",
             "--port",
             str(free_port()),
-            env={"TEXEL_FORMULA__MODEL": str(locked)},
+            env={"TEXEL_FORMULA__MODEL": str(folder)},
             preexec_fn=without_dac_override,
         )
     finally:
         locked.chmod(0o755)
+    why = "Permission denied" if locked_part == "." else "tokenizer.json: Permission denied"
     assert (result.returncode, result.stderr.splitlines()) == (
         2,
-        [f"TEXEL_FORMULA__MODEL={locked}: cannot read it (Permission denied)"],
+        [f"TEXEL_FORMULA__MODEL={folder}: cannot read it ({why})"],
     )
 
 
