@@ -83,7 +83,7 @@ def loop_lag_totals(families: Iterable[Metric] | None = None) -> tuple[float, fl
     """(sum of lag seconds, number of samples) of the event-loop lag histogram so far,
     over every process of the server (or in `families`)."""
     total = count = 0.0
-    for family in metrics.families() if families is None else families:
+    for family in metrics.families(resources=False) if families is None else families:
         if family.name != "texel_event_loop_lag_seconds":
             continue
         for sample in family.samples:
@@ -188,7 +188,7 @@ def stage_totals(families: Iterable[Metric] | None = None) -> dict[str, float]:
     """Seconds spent so far in each stage, summed over models and over every process of
     the server (or in `families`)."""
     totals: dict[str, float] = {}
-    for family in metrics.families() if families is None else families:
+    for family in metrics.families(resources=False) if families is None else families:
         if family.name != "texel_stage_duration_seconds":
             continue
         for sample in family.samples:

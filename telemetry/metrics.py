@@ -273,23 +273,28 @@ def _resources():
     return ResourceCollector()
 
 
-_RESOURCES = _resources()  # one: NVML initializes once per process
-REGISTRY.register(_RESOURCES)
+# One (NVML initializes once per process), and kept out of REGISTRY: reading its CPU
+# gauge starts the gauge's next window, so only /metrics reads it.
+_RESOURCES = _resources()
 
 
-def registry() -> CollectorRegistry:
-    """What /metrics shows: this process's registry, or every process's samples."""
-    if not MULTIPROCESS:
-        return REGISTRY
+def registry(resources: bool = True) -> CollectorRegistry:
+    """What /metrics shows: this process's registry, or every process's samples, and the
+    machine gauges read at scrape time unless `resources` is False (for a reader other
+    than a scrape, which would shorten the next scrape's CPU window)."""
     merged = CollectorRegistry()
-    MultiProcessCollector(merged)
-    merged.register(_RESOURCES)
+    if MULTIPROCESS:
+        MultiProcessCollector(merged)
+    else:
+        merged.register(REGISTRY)
+    if resources:
+        merged.register(_RESOURCES)
     return merged
 
 
-def families() -> Iterator[Metric]:
-    """Every metric family /metrics would show."""
-    return registry().collect()
+def families(resources: bool = True) -> Iterator[Metric]:
+    """Every metric family /metrics would show (`registry`)."""
+    return registry(resources).collect()
 
 
 def exposition(accept_header: str | None) -> tuple[bytes, str]:

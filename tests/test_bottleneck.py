@@ -316,3 +316,18 @@ def test_every_processs_stage_times_and_loop_lag_count():
     totals = json.loads(done.stdout.splitlines()[-1])
     assert totals["stages"] == {"preprocess": pytest.approx(0.75), "generate": pytest.approx(2.0)}
     assert totals["lag"] == [pytest.approx(0.04), 1.0]
+
+
+def test_a_diagnosis_leaves_the_cpu_gauges_window_to_the_scrapes():
+    """The CPU gauge covers the time since the previous scrape; a diagnosis reading the
+    metrics in between made the next scrape's window start where the diagnosis ended."""
+    from telemetry import metrics
+
+    meter = metrics._RESOURCES.cpu
+    metrics.exposition(None)
+    window = meter._last
+    asyncio.run(BottleneckSampler(gpu_probe=lambda: None).diagnose(0.05))
+    assert meter._last == window
+    text, _ = metrics.exposition(None)
+    assert meter._last != window
+    assert b"texel_process_cpu_utilization_ratio " in text
