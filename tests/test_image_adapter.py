@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from batching import Batcher, BatchPolicy, Cancelled, ComputeThread, Worker
+from batching import Batcher, BatchFailed, BatchPolicy, Cancelled, ComputeThread, Worker
 from engine import protocol
 from models.errors import InvalidParameter
 from models.image.adapter import GeneratedImages, ImageGenerator, ImageRequest
@@ -420,3 +420,32 @@ async def test_the_loops_budget_and_what_it_holds_are_metrics(stepped):
     while sample("texel_denoising_used_images") != 0 and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     assert max(seen) == 3 and sample("texel_denoising_used_images") == 0
+
+
+async def test_a_failed_stream_answers_its_requests_and_holds_no_images(stepped, monkeypatch):
+    """A step that raises (not out of memory) ends the stream: its requests get the
+    failure, and the used-images gauge, which held the last step's images, reads 0."""
+    from telemetry import metrics
+
+    labels = {"model": stepped.name, "device": "cpu"}
+    loop = stepped.denoising_loop(torch.device("cpu"))
+    steps = [0]
+    real_step = loop.step
+
+    def failing_step(group):
+        steps[0] += 1
+        if steps[0] > 3:
+            raise RuntimeError("a kernel failed")
+        real_step(group)
+
+    monkeypatch.setattr(loop, "step", failing_step)
+    batcher = _streaming(stepped.runner(torch.device("cpu")), max_wait_s=0.0)
+    batcher.start()
+    try:
+        (job,) = _jobs(stepped, ImageRequest("a red circle", seed=3, num_inference_steps=30))
+        with pytest.raises(BatchFailed, match="a kernel failed"):
+            await asyncio.wait_for(batcher.submit(job, bucket=0, cost=1, timeout_s=60), 60)
+    finally:
+        await batcher.close()
+    assert steps[0] == 4
+    assert metrics.REGISTRY.get_sample_value("texel_denoising_used_images", labels) == 0

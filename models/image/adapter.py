@@ -486,12 +486,20 @@ class ImageGenerator(Model):
         and answered, and requests whose clients went away are dropped. On a thread that
         other models share, it parks its requests and gives the thread up to their work
         every `GIVE_WAY_AFTER_S`, and goes on after it (`batching.stream`)."""
+        used_gauge = metrics.LOOP_USED.labels(self.name, device)
+        try:
+            self._steps(device, feed, used_gauge)
+        except BaseException:
+            used_gauge.set(0)  # the batcher answers its requests with the failure
+            raise
+
+    def _steps(self, device: str, feed, used_gauge) -> None:
+        """`_stream`'s loop; `used_gauge` follows the images it holds."""
         loop = self._loops[device]
         budget = self._capacity.get(device, 1)
         # Its requests, if it gave the thread up to other work and goes on.
         running: dict[int, Denoising] = feed.resumed if feed.resumed is not None else {}
         slice_started = time.perf_counter()
-        used_gauge = metrics.LOOP_USED.labels(self.name, device)
         with torch.inference_mode():
             while True:
                 held_s = time.perf_counter() - slice_started
