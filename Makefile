@@ -7,14 +7,17 @@ HOST    ?= 0.0.0.0
 PORT    ?= 8000
 DATA    ?= ../shared/data
 
-# Without CUDA, the pinned CPU build of torch (an unpinned torch pulls a multi-GB
-# CUDA build). With nvidia-smi present, the default CUDA build from the index.
+# Without CUDA, torch pinned to the version the tests passed with; with nvidia-smi
+# present, the default build from the index. PyPI's Linux torch is the CUDA build (a few
+# GB): on a machine without a GPU, TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# adds PyTorch's own index, whose 2.13.0+cpu pip then prefers (the rest from PyPI).
 HAVE_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
 ifeq ($(HAVE_CUDA),yes)
 TORCH_SPEC ?= torch
 else
 TORCH_SPEC ?= torch==2.13.0
 endif
+TORCH_INDEX ?=
 
 .PHONY: install lock run test lint format docs bench bench-cpu bench-gpu eval-formula eval-image train-formula train-image clean
 
@@ -26,7 +29,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c $(LOCK) "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -c $(LOCK) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -c $(LOCK) -e ".[dev]"
 	touch $(STAMP)
 
