@@ -19,6 +19,7 @@ from app.schemas import (
     MAX_PROMPT_CHARS,
     MAX_SIDE,
     MAX_STEPS,
+    SIZE_MULTIPLE,
     GenerateRequest,
     ImageData,
     ImagesGenerationRequest,
@@ -59,6 +60,14 @@ def generate_request(body: ImagesGenerationRequest, model: str) -> GenerateReque
             "response_format 'url' is not supported: Texel stores no images, it answers "
             "them; ask for b64_json (the default)",
             param="response_format",
+        )
+    if body.stream:
+        raise ApiError(
+            422,
+            "invalid_parameter",
+            "stream: true is not supported here: the images come whole, in one answer; "
+            "send false or leave it out (/generate streams progress as server-sent events)",
+            param="stream",
         )
     width, height = _size(body.size)
     try:
@@ -143,8 +152,18 @@ def model_card(runtime: Runtime, key: str, created: int) -> ModelCard:
         created=created,
         task=TASKS.get(key, key),
         state=runtime.model_state(key)[0],
-        limits={**_setting_limits(runtime.settings, key), **_description(runtime, key)},
+        limits=_limits(runtime, key),
     )
+
+
+def _limits(runtime: Runtime, key: str) -> dict[str, Any]:
+    limits = {**_setting_limits(runtime.settings, key), **_description(runtime, key)}
+    if "max_side" in limits:
+        # The largest side a request may ask for: a multiple of the model's size multiple,
+        # which the setting need not be.
+        multiple = limits.get("size_multiple", SIZE_MULTIPLE)
+        limits["max_side"] -= limits["max_side"] % multiple
+    return limits
 
 
 def _setting_limits(settings: Settings, key: str) -> dict[str, Any]:

@@ -151,6 +151,12 @@ class ImagesGenerationRequest(BaseModel):
         None, description="b64_json (the default). `url` is refused: Texel stores no images."
     )
     user: str | None = Field(None, description="Accepted for compatibility; unused.")
+    # `user`'s successor in OpenAI's clients.
+    safety_identifier: str | None = Field(None, description="Accepted for compatibility; unused.")
+    # `stream=False` in OpenAI's clients: the answer whole, the only one Texel gives here.
+    stream: bool | None = Field(
+        None, description="false or absent: the answer whole. true is refused (422)."
+    )
     # Sent by clients written for DALL-E 3 or gpt-image-1; Texel's effort is `steps`.
     quality: str | None = Field(None, description="Accepted for compatibility; unused.")
     style: str | None = Field(None, description="Accepted for compatibility; unused.")

@@ -159,6 +159,27 @@ def test_the_quality_and_style_clients_written_for_dall_e_send_change_nothing(cl
     assert dall_e.data[0].b64_json == plain
 
 
+def test_a_safety_identifier_changes_nothing(client):
+    params = {"seed": 9, "steps": 1}
+    plain = client.images.generate(prompt=PROMPT, extra_body=params).data[0].b64_json
+    identified = client.images.generate(prompt=PROMPT, safety_identifier="u-1", extra_body=params)
+    assert identified.data[0].b64_json == plain
+
+
+def test_stream_false_asks_for_the_answer_whole(client):
+    answer = client.images.generate(prompt=PROMPT, stream=False, extra_body={"steps": 1})
+    assert decoded(answer.data[0]).format == "PNG"
+
+
+def test_stream_true_is_refused_naming_stream(server):
+    response = httpx.post(
+        server.url + "/v1/images/generations", json={"prompt": PROMPT, "stream": True}
+    )
+    error = response.json()["error"]
+    assert response.status_code == 422 and error["param"] == "stream"
+    assert "not supported" in error["message"]
+
+
 def test_an_output_format_other_than_png_is_refused_naming_it(client):
     with pytest.raises(openai.UnprocessableEntityError) as raised:
         client.images.generate(prompt=PROMPT, output_format="jpeg")
@@ -246,6 +267,13 @@ def test_the_image_model_states_its_defaults_and_limits(client):
     assert isinstance(limits["max_prompt_tokens"], int) and limits["max_prompt_tokens"] > 2
 
 
+def test_a_body_refused_by_its_content_length_is_answered_in_openai_shape(server):
+    body = {"prompt": "x" * 70_000}  # past the 64 KiB of a prompt's route
+    response = httpx.post(server.url + "/v1/images/generations", json=body)
+    assert response.status_code == 413
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
 def test_retrieving_a_model_not_served_is_404_in_openai_shape(client):
     with pytest.raises(openai.NotFoundError) as raised:
         client.models.retrieve("dall-e-3")
@@ -278,8 +306,9 @@ def keyed(tiny_models):
         api_keys=["sk-texel-test"],
         cors_origins=[FRONTEND],
         formula={"enabled": False, "model": str(tiny_models["formula"])},
-        # Named as a model from the hub is by default: `org/name`.
-        image={"model": str(tiny_models["image"]), "name": "acme/texel-image"},
+        # Named as a model from the hub is by default: `org/name`. A largest side that is
+        # not a multiple of the model's 8.
+        image={"model": str(tiny_models["image"]), "name": "acme/texel-image", "max_side": 1020},
     )
     with in_process(settings) as url:
         yield url
@@ -288,6 +317,14 @@ def keyed(tiny_models):
 def test_a_model_named_org_slash_name_is_retrieved_by_that_name(keyed):
     card = client_of(keyed, api_key="sk-texel-test").models.retrieve("acme/texel-image")
     assert card.id == "acme/texel-image"
+
+
+def test_the_listed_max_side_is_the_largest_side_the_server_makes(keyed):
+    client = client_of(keyed, api_key="sk-texel-test")
+    side = client.models.retrieve("acme/texel-image").model_extra["limits"]["max_side"]
+    assert side == 1016
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.images.generate(prompt=PROMPT, size=f"{side + 8}x8")
 
 
 def test_a_wrong_api_key_raises_authentication_error_in_openai_shape(keyed):
