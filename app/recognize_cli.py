@@ -8,12 +8,18 @@ code, either way. Lines already in the output file are skipped, so a run that wa
 interrupted picks up where it stopped. A line names its image relative to the output
 file's folder when the image is under it, else by its absolute path, so the same command
 resumes from any working directory.
+
+A line says what the image gave, LaTeX or an error of the image's own. When the server,
+not the image, is at fault (it cannot be reached, is draining, overloaded or refuses
+the key) and stays so through the retries, the run stops without a line for the images
+not answered, so that the same command sends them again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -27,12 +33,23 @@ if TYPE_CHECKING:
 
 # What a folder is searched for; a file named on the command line is sent whatever its name.
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"})
-RETRIES = 5  # answers of 429 or 503 with Retry-After are tried again this often
+RETRIES = 5  # a server at fault (see `TRY_AGAIN`) is tried again this often per image
+FIRST_RETRY_WAIT_S = 1.0  # doubled at each retry, unless the answer says `Retry-After`
 LONGEST_RETRY_WAIT_S = 30.0
+# Statuses that speak of the server, not of the image: tried again, then the run stops.
+# 502: a proxy in front of a server that is restarting.
+TRY_AGAIN = frozenset({429, 502, 503})
+# Statuses that no retry changes and that would be the same for every image.
+GIVE_UP = frozenset({401, 403, 404})
 
 
 class RecognizeError(Exception):
     """Why a whole run cannot go on: no images, no server, no model."""
+
+
+class ServerLost(RecognizeError):
+    """The server stopped answering for the images (see `TRY_AGAIN`, `GIVE_UP`) in the
+    middle of a run."""
 
 
 def find_images(paths: Iterable[str | Path], passed_over: list[Path] | None = None) -> list[Path]:
@@ -67,18 +84,24 @@ def line_path(image: Path, folder: Path | None) -> str:
 
 def last_lines(out: Path) -> dict[Path, bool]:
     """Each image with a line in `out` (its path read from `out`'s folder), and whether
-    its last line, the one that counts, holds LaTeX. A line cut short by an interruption
-    is not counted. UnicodeDecodeError: `out` is not text (such as a picture)."""
+    its last line, the one that counts, holds LaTeX. A line cut short by an interruption,
+    even inside a character, is not counted. UnicodeDecodeError: `out` is not text (such
+    as a picture): some line is not UTF-8 and none is a line of this command's."""
     last: dict[Path, bool] = {}
     if not out.exists():
         return last
-    with out.open(encoding="utf-8") as lines:
+    not_text = None  # a line cut inside a character, or `out` is a picture
+    with out.open("rb") as lines:
         for line in lines:
             try:
-                record = json.loads(line)
+                record = json.loads(line.decode("utf-8"))
                 last[(out.parent / record["path"]).resolve()] = "latex" in record
+            except UnicodeDecodeError as exc:
+                not_text = exc
             except (ValueError, KeyError, TypeError):
                 continue
+    if not_text is not None and not last:
+        raise not_text
     return last
 
 
@@ -101,8 +124,30 @@ def append_lines(out: Path) -> TextIO:
     return sink
 
 
+def json_line(record: dict[str, Any]) -> str:
+    """`record` as a line of JSON. A file name that is not UTF-8 reaches Python with its
+    bytes as lone surrogates, which no UTF-8 text may hold: they are written escaped
+    (`\\udce9`), which JSON reads back as the same name."""
+    text = json.dumps(record, ensure_ascii=False)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8") + "\n"
+
+
+def read_image(path: Path, limit: int | None) -> bytes:
+    """The bytes of `path`, or with a `limit` no more than one byte past it: enough to
+    tell that the image is too large without holding a huge file in memory."""
+    with path.open("rb") as file:
+        return file.read() if limit is None else file.read(limit + 1)
+
+
 def error(code: str, message: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message}}
+
+
+def too_large(data: bytes, limit: int | None) -> dict[str, Any] | None:
+    """The error of an image over the server's upload limit, as the server words it."""
+    if limit is not None and len(data) > limit:
+        return error("image_too_large", f"the image exceeds {limit} bytes")
+    return None
 
 
 def reason(exc: BaseException) -> str:
@@ -125,11 +170,38 @@ def summary(response: httpx.Response) -> str:
     return f"{status}: {body}" if body else status
 
 
+def error_of(response: httpx.Response) -> dict[str, Any] | None:
+    """The `{"error": {"code", "message"}}` of a Texel error answer, if it is one."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    failure = body.get("error") if isinstance(body, dict) else None
+    if isinstance(failure, dict) and {"code", "message"} <= failure.keys():
+        return error(failure["code"], failure["message"])
+    return None
+
+
+def formula_upload_limit(response: httpx.Response) -> int | None:
+    """The formula model's `max_upload_bytes` in an answer to `GET /v1/models`, if there."""
+    try:
+        cards = response.json()["data"]
+        [limit] = [
+            card["limits"]["max_upload_bytes"]
+            for card in cards
+            if card.get("task") == "formula_recognition"
+        ]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return limit if isinstance(limit, int) else None
+
+
 class Recognizer(ABC):
     """Where the images go: `recognize` answers `{"latex", "latex_compact", "confidence"}` or
-    `{"error": {"code", "message"}}`, never raises for one image."""
+    `{"error": {"code", "message"}}`, never raises for a fault of the image's own."""
 
     concurrency: int
+    max_bytes: int | None = None  # an image's largest size, where known; past it, an error
 
     async def __aenter__(self) -> Recognizer:
         return self
@@ -142,7 +214,8 @@ class Recognizer(ABC):
 
 
 class ServerRecognizer(Recognizer):
-    """A running Texel server's `POST /recognize`."""
+    """A running Texel server's `POST /recognize`. Raises `ServerLost` when the server,
+    not the image, is at fault and stays so through `RETRIES` retries."""
 
     def __init__(self, url: str, api_key: str | None, concurrency: int) -> None:
         self.url = url.rstrip("/")
@@ -181,6 +254,8 @@ class ServerRecognizer(Recognizer):
                 + ("refused the API key" if self._headers else "wants an API key")
                 + ": set TEXEL_API_KEY (or pass --api-key)"
             )
+        # Larger files are answered here, unread: a server cuts such an upload short.
+        self.max_bytes = formula_upload_limit(keyed) if keyed.status_code == 200 else None
         return self
 
     async def __aexit__(self, *exc_info) -> None:
@@ -189,31 +264,40 @@ class ServerRecognizer(Recognizer):
     async def recognize(self, data: bytes) -> dict[str, Any]:
         import httpx
 
+        if failure := too_large(data, self.max_bytes):
+            return failure
+        wait = FIRST_RETRY_WAIT_S
         for attempt in range(RETRIES + 1):
             try:
                 response = await self._client.post(
                     self.url + "/recognize", files={"image": ("image", data)}
                 )
             except httpx.HTTPError as exc:
-                return error("unreachable", f"{self.url}: {reason(exc)}")
-            retry_after = response.headers.get("retry-after", "")
-            if response.status_code in (429, 503) and retry_after.isdigit() and attempt < RETRIES:
-                await asyncio.sleep(min(float(retry_after), LONGEST_RETRY_WAIT_S))
-                continue
-            break
-        try:
-            body = response.json()
-        except ValueError:
-            body = {}
+                problem, retry_after = reason(exc), ""
+            else:
+                if response.status_code not in TRY_AGAIN:
+                    break
+                failure = error_of(response)
+                problem = failure["error"]["message"] if failure else summary(response)
+                retry_after = response.headers.get("retry-after", "")
+            if attempt == RETRIES:
+                raise ServerLost(f"{self.url}: {problem}")
+            seconds = float(retry_after) if retry_after.isdigit() else wait
+            await asyncio.sleep(min(seconds, LONGEST_RETRY_WAIT_S))
+            wait *= 2
         if response.status_code == 200:
+            body = response.json()
             return {
                 "latex": body["latex"],
                 "latex_compact": body["latex_compact"],
                 "confidence": body.get("confidence"),
             }
-        if isinstance(body, dict) and isinstance(body.get("error"), dict):
-            return error(body["error"]["code"], body["error"]["message"])
-        return error("http_error", f"{self.url} answered {response.status_code}")
+        failure = error_of(response)
+        if response.status_code in GIVE_UP:
+            raise ServerLost(
+                f"{self.url}: " + (failure["error"]["message"] if failure else summary(response))
+            )
+        return failure or error("http_error", f"{self.url} answered {summary(response)}")
 
 
 class LocalRecognizer(Recognizer):
@@ -228,6 +312,7 @@ class LocalRecognizer(Recognizer):
             raise RecognizeError("the formula model is disabled (TEXEL_FORMULA__ENABLED)")
         self.settings = settings.alone("formula")
         self.concurrency = concurrency  # unset: the formula model's batch size, once placed
+        self.max_bytes = self.settings.max_upload_bytes
         self.runtime = None
 
     async def __aenter__(self) -> LocalRecognizer:
@@ -258,11 +343,10 @@ class LocalRecognizer(Recognizer):
         from app.errors import to_api_error
         from telemetry import RequestTrace
 
-        limit = self.settings.max_upload_bytes
         if not data:
             return error("malformed_request", "the image is empty")
-        if len(data) > limit:
-            return error("image_too_large", f"the image exceeds {limit} bytes")
+        if failure := too_large(data, self.max_bytes):
+            return failure
         try:
             model = self.runtime.model("formula")
             trace = RequestTrace(model.name, model.operation)
@@ -295,7 +379,8 @@ async def recognize_all(
 ) -> None:
     """Recognize `images` with up to `recognizer.concurrency` in flight and write a line
     for each as it is answered (flushed, so an interruption loses nothing written),
-    naming its image relative to `folder` (see `line_path`)."""
+    naming its image relative to `folder` (see `line_path`). On the first exception
+    (`ServerLost`) the images in flight are dropped, with no line, and it is raised."""
     from tqdm import tqdm
 
     queue: asyncio.Queue[Path] = asyncio.Queue()
@@ -307,26 +392,30 @@ async def recognize_all(
         while not queue.empty():
             path = queue.get_nowait()
             try:
-                data = await asyncio.to_thread(path.read_bytes)
+                data = await asyncio.to_thread(read_image, path, recognizer.max_bytes)
             except OSError as exc:
                 answer = error("unreadable", f"{path}: {exc.strerror or reason(exc)}")
             else:
                 answer = await recognizer.recognize(data)
             line = {"path": line_path(path, folder), **answer}
-            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            out.write(json_line(line))
             out.flush()
             tally.written += 1
             tally.failed += "error" in answer
             bar.update()
 
+    workers = [asyncio.create_task(work()) for _ in range(max(1, recognizer.concurrency))]
     try:
-        await asyncio.gather(*(work() for _ in range(max(1, recognizer.concurrency))))
+        await asyncio.gather(*workers)
     finally:
+        for worker in workers:  # after a failure, none may write to `out` once it is closed
+            worker.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
         bar.close()
 
 
 def stop(message: str) -> int:
-    """A run that cannot start: one line on stderr, exit status 2."""
+    """A run that cannot start or go on: one line on stderr, exit status 2."""
     print(f"texel recognize: {message}", file=sys.stderr)
     return 2
 
@@ -342,7 +431,9 @@ def run(
 ) -> int:
     """`texel recognize`: exit status 0 when every image has LaTeX, 1 when some failed
     (their lines say why; in a resumed run, those failed before too), 2 when the run
-    could not start, 130 when interrupted (Ctrl-C; the same command again resumes)."""
+    could not start or the server was lost (`ServerLost`), 130 when interrupted (Ctrl-C);
+    after those two, the same command again resumes. 141 when the reader of the standard
+    output left, as `| head` does."""
     if concurrency is not None and concurrency < 1:
         return stop(f"--concurrency must be 1 or more, not {concurrency}")
     if url is not None and not url.strip():  # an unset variable in `--url "$SERVER"`
@@ -409,15 +500,23 @@ def run(
                 with append_lines(sink_path) as sink:
                     await recognize_all(todo, recognizer, sink, tally, progress, folder)
 
+    def written() -> str:
+        resume = f" to {out}; run the same command again to resume" if out else ""
+        return f"{tally.written} of {len(todo)} images written{resume}"
+
     try:
         asyncio.run(main())
+    except ServerLost as exc:
+        return stop(f"stopped, {exc}; {written()}")
     except RecognizeError as exc:
         return stop(str(exc))
     except KeyboardInterrupt:
-        resume = f" to {out}; run the same command again to resume" if out else ""
-        written = f"{tally.written} of {len(todo)} images written{resume}"
-        print(f"texel recognize: interrupted, {written}", file=sys.stderr)
+        print(f"texel recognize: interrupted, {written()}", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # Nothing more can reach the reader; Python would fail again flushing at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     if tally.failed:
         print(f"{tally.failed} of {len(todo)} images failed", file=sys.stderr)
     return 1 if tally.failed or failed_before else 0

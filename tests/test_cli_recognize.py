@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from app import recognize_cli
 from app.recognize_cli import append_lines, done_paths, run
 from tests.conftest import ROOT, formula_png, free_port, wait_for
 
@@ -146,6 +147,49 @@ def test_a_line_cut_short_by_an_interruption_is_not_counted_and_is_ended(tmp_pat
     assert done_paths(out) == {(tmp_path / "a.png").resolve(), (tmp_path / "b.png").resolve()}
 
 
+def test_a_last_line_cut_inside_a_character_is_not_counted_and_the_file_is_resumed(tmp_path):
+    out = tmp_path / "results.jsonl"
+    whole = json.dumps({"path": "a.png", "latex": "x"}) + "\n"
+    cut = json.dumps({"path": "日本.png", "latex": "y"}, ensure_ascii=False).encode()[:12]
+    out.write_bytes(whole.encode() + cut)
+    assert done_paths(out) == {(tmp_path / "a.png").resolve()}
+    with append_lines(out) as sink:
+        sink.write(json.dumps({"path": "b.png", "latex": "z"}) + "\n")
+    assert done_paths(out) == {(tmp_path / "a.png").resolve(), (tmp_path / "b.png").resolve()}
+
+
+def test_a_file_name_that_is_not_utf8_has_a_json_line_that_names_it_for_the_next_run(
+    server, tmp_path, capsys
+):
+    images = tmp_path / "images"
+    images.mkdir()
+    name = os.fsdecode(b"caf\xe9.png")  # Latin-1, as an old archive's names are
+    (images / name).write_bytes(formula_png())
+    out = tmp_path / "results.jsonl"
+    assert run([str(images)], out=str(out), url=server.url, progress=False) == 0
+    [record] = [json.loads(line) for line in out.read_bytes().decode("utf-8").splitlines()]
+    assert (out.parent / record["path"]).resolve() == (images / name).resolve()
+    assert "latex" in record
+    assert run([str(images)], out=str(out), url=server.url, progress=False) == 0
+    assert "1 images already in" in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_early_ends_the_run_without_a_traceback(server, folder):
+    """As `texel recognize images/ | head -1` does."""
+    command = [str(folder), "--url", server.url, "--concurrency", "1"]
+    running = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "recognize", *command],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    running.stdout.close()  # gone before the first line
+    _, err = running.communicate(timeout=60)
+    assert running.returncode == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
 def test_a_server_that_cannot_be_reached_stops_the_run_before_any_line(folder, tmp_path, capsys):
     out = tmp_path / "results.jsonl"
     unreachable = f"http://127.0.0.1:{free_port()}"
@@ -167,43 +211,134 @@ def test_a_url_that_is_not_a_servers_base_url_stops_the_run_saying_what_answered
 
 
 @pytest.fixture
-def dropping_server() -> Iterator[str]:
-    """A server that answers `/livez` as Texel does and resets the connection of every
-    POST: an error whose text is empty on the client's side."""
+def scripted_server() -> Iterator:
+    """A server on a socket that answers `/livez` and `/v1/models` as Texel does, and the
+    POSTs with the answers given in turn, the last again once they run out: "ok" (LaTeX),
+    "reset" (the connection reset: an error with no text on the client's side), or a
+    status with Texel's error body and `Retry-After: 0`. Its `posts` counts the POSTs."""
+    started = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - the stdlib's name
-            body = json.dumps({"status": "ok"}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def start(*script: str | tuple[int, str]) -> ThreadingHTTPServer:
+        answers = list(script)
 
-        def do_POST(self):  # noqa: N802
-            # Linger 0: closing sends a reset, not an orderly end.
-            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            self.connection.close()
+        class Handler(BaseHTTPRequestHandler):
+            def answer(self, status: int, body: dict, retry: bool = False) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                if retry:
+                    self.send_header("Retry-After", "0")
+                self.end_headers()
+                self.wfile.write(data)
 
-        def log_message(self, *args):
-            pass
+            def do_GET(self):  # noqa: N802 - the stdlib's name
+                card = {"task": "formula_recognition", "limits": {"max_upload_bytes": 1 << 20}}
+                models = {"object": "list", "data": [card]}
+                self.answer(200, {"status": "ok"} if self.path == "/livez" else models)
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+            def do_POST(self):  # noqa: N802
+                self.rfile.read(int(self.headers["Content-Length"]))
+                httpd.posts += 1
+                now = answers.pop(0) if len(answers) > 1 else answers[0]
+                if now == "ok":
+                    self.answer(200, {"latex": "x", "latex_compact": "x", "confidence": 1.0})
+                elif now == "reset":  # linger 0: closing sends a reset, not an orderly end
+                    linger = struct.pack("ii", 1, 0)
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+                    self.connection.close()
+                else:
+                    status, code = now
+                    self.answer(status, {"error": {"code": code, "message": f"said {code}"}}, True)
+
+            def log_message(self, *args):
+                pass
+
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        httpd.posts = 0
+        httpd.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        started.append(httpd)
+        return httpd
+
+    yield start
+    for httpd in started:
+        httpd.shutdown()
+        httpd.server_close()
 
 
-def test_an_error_line_names_what_went_wrong_when_the_error_has_no_text(
-    dropping_server, folder, tmp_path
+@pytest.fixture
+def quick_retries(monkeypatch) -> None:
+    monkeypatch.setattr(recognize_cli, "FIRST_RETRY_WAIT_S", 0.01)
+
+
+def test_an_answer_that_comes_when_the_image_is_sent_again_is_written(
+    scripted_server, quick_retries, folder, tmp_path
 ):
+    httpd = scripted_server("reset", (503, "unavailable"), "ok")
     out = tmp_path / "results.jsonl"
-    assert run([str(folder / "a.png")], out=str(out), url=dropping_server, progress=False) == 1
-    [record] = lines(out)
-    assert record["error"]["code"] == "unreachable"
-    said = record["error"]["message"].removeprefix(f"{dropping_server}:").strip()
-    assert said, record  # the exception's type name, such as ReadError
+    assert run([str(folder / "a.png")], out=str(out), url=httpd.url, progress=False) == 0
+    assert [r["latex"] for r in lines(out)] == ["x"]
+    assert httpd.posts == 3
+
+
+@pytest.mark.parametrize(
+    "answer, expected",
+    [
+        ("reset", None),  # an error with no text of its own still says what it was
+        ((503, "draining"), "said draining"),
+        ((429, "queue_full"), "said queue_full"),
+        ((502, "bad_gateway"), "said bad_gateway"),
+    ],
+)
+def test_a_server_at_fault_through_the_retries_stops_the_run_with_no_line_for_the_image(
+    answer, expected, scripted_server, quick_retries, folder, tmp_path, capsys
+):
+    """An image's line says what the image gave; were the server's faults written as its
+    lines, a run after a restart would skip every image that met the server down."""
+    httpd = scripted_server(answer)
+    out = tmp_path / "results.jsonl"
+    assert run([str(folder / "a.png")], out=str(out), url=httpd.url, progress=False) == 2
+    assert out.read_text() == ""
+    assert httpd.posts == recognize_cli.RETRIES + 1
+    last = capsys.readouterr().err.splitlines()[-1]
+    prefix = f"texel recognize: stopped, {httpd.url}: "
+    suffix = f"; 0 of 1 images written to {out}; run the same command again to resume"
+    assert last.startswith(prefix) and last.endswith(suffix), last
+    said = last[len(prefix) : -len(suffix)]
+    assert said == expected if expected else said, last
+
+
+def test_a_server_lost_mid_run_leaves_the_lines_written_and_the_same_command_resumes(
+    scripted_server, quick_retries, server, folder, tmp_path, capsys
+):
+    httpd = scripted_server("ok", "ok", "reset")  # the server dies after two images
+    out = tmp_path / "results.jsonl"
+    images = [str(folder / name) for name in GOOD]
+    assert run(images, out=str(out), url=httpd.url, concurrency=1, progress=False) == 2
+    assert len(lines(out)) == 2
+    assert "2 of 3 images written" in capsys.readouterr().err
+    assert run(images, out=str(out), url=server.url, progress=False) == 0
+    assert sorted(by_name(out, folder)) == sorted(GOOD)
+    assert all("latex" in record for record in lines(out))
+
+
+def test_an_image_over_the_servers_upload_limit_has_its_error_line_and_is_not_sent(
+    server, folder, tmp_path
+):
+    """A server cuts short an upload far over its limit: the client would see a reset
+    connection, not the image's fault. Sparse, so that it takes no disk."""
+    huge = folder / "huge.png"
+    with huge.open("wb") as file:
+        file.truncate(4 << 20)
+    out = tmp_path / "results.jsonl"
+    assert run([str(huge), str(folder / "a.png")], out=str(out), url=server.url) == 1
+    records = by_name(out, folder)
+    assert records["huge.png"]["error"] == {
+        "code": "image_too_large",
+        "message": f"the image exceeds {256 * 1024} bytes",  # as the server words it
+    }
+    assert "latex" in records["a.png"]
 
 
 @pytest.mark.parametrize("concurrency", ["0", "-3"])
