@@ -14,6 +14,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from app.errors import ApiError, error_body, headers_too_large, malformed_http, request_timeout
+from app.http import NoSniff
 from app.settings import Settings
 
 log = logging.getLogger("texel")
@@ -219,6 +220,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             for name, value in self.server_state.default_headers:
                 head.append(name + b": " + value + b"\r\n")
             head.append(b"content-type: application/json\r\n")
+            head.append(b"%s: %s\r\n" % NoSniff.HEADER)
             head.append(b"content-length: %d\r\n" % len(body))
             head.append(b"connection: close\r\n\r\n")
             self.transport.write(b"".join(head) + body)

@@ -109,11 +109,17 @@ def test_every_answer_tells_browsers_not_to_sniff_its_type(keyed):
     for answer in answers:
         assert answer.headers.get("x-content-type-options") == "nosniff", answer.request.url
     # A body refused by its Content-Length, before the app reads it.
-    with socket.create_connection(("127.0.0.1", keyed.port), timeout=10) as sock:
-        sock.sendall(b"POST /recognize HTTP/1.1\r\nHost: t\r\nContent-Length: 99999999\r\n\r\n")
-        head = sock.recv(65536).split(b"\r\n\r\n")[0].lower()
-    assert head.startswith(b"http/1.1 413")
-    assert b"x-content-type-options: nosniff" in head
+    # And those answered by the server before any app: malformed HTTP, a head too large.
+    for request, status in (
+        (b"POST /recognize HTTP/1.1\r\nHost: t\r\nContent-Length: 99999999\r\n\r\n", b"413"),
+        (b"GET / HTTP/1.1\r\nHost t\r\n\r\n", b"400"),
+        (b"GET / HTTP/1.1\r\nHost: t\r\nX: " + b"a" * 70_000 + b"\r\n\r\n", b"431"),
+    ):
+        with socket.create_connection(("127.0.0.1", keyed.port), timeout=10) as sock:
+            sock.sendall(request)
+            head = sock.recv(65536).split(b"\r\n\r\n")[0].lower()
+        assert head.startswith(b"http/1.1 " + status)
+        assert b"x-content-type-options: nosniff" in head, head
 
 
 def test_the_page_runs_only_its_own_scripts_and_is_not_framed(keyed):
