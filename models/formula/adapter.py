@@ -284,8 +284,10 @@ class FormulaRecognizer(Model):
         key = str(device)
         if self._use_static_decoder(key):
             self._decoders[key] = self._static_decoder(key, widths, max_batch_size)
-        for width in widths:
-            self._generate(key, [FormulaInput(blank, width)], lambda: False, max_new_tokens=2)
+        decoder = self._decoders.get(key)
+        if decoder is None or not decoder.encoded_every_shape:
+            for width in widths:
+                self._generate(key, [FormulaInput(blank, width)], lambda: False, max_new_tokens=2)
         batch = [FormulaInput(blank, widths[0])] * max_batch_size
         self._generate(key, batch, lambda: False, max_new_tokens=2)
 

@@ -139,6 +139,10 @@ def token_ids(value: int | list[int] | None) -> list[int]:
 class StaticGreedyDecoder:
     """Greedy decoding of a VisionEncoderDecoderModel with a TrOCR decoder, graph-ready."""
 
+    # Whether `warmup` ran the encoder at every input shape it was given, as requests
+    # will, so that its caller need not run them again.
+    encoded_every_shape = False
+
     @staticmethod
     def supports(model) -> bool:
         """True for a VisionEncoderDecoderModel whose greedy decode this class reproduces."""
