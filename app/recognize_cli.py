@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,11 @@ LONGEST_RETRY_WAIT_S = 30.0
 TRY_AGAIN = frozenset({429, 502, 503})
 # Statuses that no retry changes and that would be the same for every image.
 GIVE_UP = frozenset({401, 403, 404})
+# A model in these states (`GET /v1/models`) is waited for before the first image is sent,
+# this long at the most, looking again at this interval.
+STARTING = frozenset({"loading", "unavailable"})
+LOADING_WAIT_S = 600.0
+LOADING_POLL_S = 1.0
 
 
 class RecognizeError(Exception):
@@ -182,16 +188,21 @@ def error_of(response: httpx.Response) -> dict[str, Any] | None:
     return None
 
 
-def formula_upload_limit(response: httpx.Response) -> int | None:
-    """The formula model's `max_upload_bytes` in an answer to `GET /v1/models`, if there."""
+def formula_card(response: httpx.Response) -> dict[str, Any] | None:
+    """The formula model's card in an answer to `GET /v1/models`, if it has one."""
     try:
         cards = response.json()["data"]
-        [limit] = [
-            card["limits"]["max_upload_bytes"]
-            for card in cards
-            if card.get("task") == "formula_recognition"
-        ]
-    except (ValueError, KeyError, TypeError):
+        [card] = [card for card in cards if card.get("task") == "formula_recognition"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return card if isinstance(card, dict) else None
+
+
+def upload_limit(card: dict[str, Any] | None) -> int | None:
+    """A model card's `max_upload_bytes`, if it states one."""
+    try:
+        limit = card["limits"]["max_upload_bytes"]
+    except (KeyError, TypeError):
         return None
     return limit if isinstance(limit, int) else None
 
@@ -254,9 +265,39 @@ class ServerRecognizer(Recognizer):
                 + ("refused the API key" if self._headers else "wants an API key")
                 + ": set TEXEL_API_KEY (or pass --api-key)"
             )
+        card = formula_card(keyed) if keyed.status_code == 200 else None
+        if card is not None and card.get("state") in STARTING:
+            card = await self._wait_while_loading(card)
+        if card is not None and card.get("state") == "failed":
+            await self._client.aclose()
+            raise RecognizeError(f"{self.url}: its formula model failed to load")
         # Larger files are answered here, unread: a server cuts such an upload short.
-        self.max_bytes = formula_upload_limit(keyed) if keyed.status_code == 200 else None
+        self.max_bytes = upload_limit(card)
         return self
+
+    async def _wait_while_loading(self, card: dict[str, Any]) -> dict[str, Any] | None:
+        """The formula model's card once it is no longer loading (a server just started:
+        its requests would be refused `not_ready` until then), waiting `LOADING_WAIT_S` at
+        the most."""
+        import httpx
+
+        print(f"texel recognize: waiting for {self.url} to load its formula model", file=sys.stderr)
+        deadline = time.monotonic() + LOADING_WAIT_S
+        while card is not None and card.get("state") in STARTING:
+            if time.monotonic() > deadline:
+                await self._client.aclose()
+                raise RecognizeError(
+                    f"{self.url}: its formula model is still {card['state']} after "
+                    f"{LOADING_WAIT_S:.0f} s"
+                )
+            await asyncio.sleep(LOADING_POLL_S)
+            try:
+                response = await self._client.get(self.url + "/v1/models")
+            except httpx.HTTPError as exc:
+                await self._client.aclose()
+                raise RecognizeError(f"could not reach {self.url}: {reason(exc)}") from None
+            card = formula_card(response) if response.status_code == 200 else None
+        return card
 
     async def __aexit__(self, *exc_info) -> None:
         await self._client.aclose()

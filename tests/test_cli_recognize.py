@@ -215,7 +215,9 @@ def scripted_server() -> Iterator:
     """A server on a socket that answers `/livez` and `/v1/models` as Texel does, and the
     POSTs with the answers given in turn, the last again once they run out: "ok" (LaTeX),
     "reset" (the connection reset: an error with no text on the client's side), or a
-    status with Texel's error body and `Retry-After: 0`. Its `posts` counts the POSTs."""
+    status with Texel's error body and `Retry-After: 0`. Its `posts` counts the POSTs; its
+    `state` is the formula model's, and while it is not "ready" POSTs are answered 503
+    `not_ready`, as Texel answers them."""
     started = []
 
     def start(*script: str | tuple[int, str]) -> ThreadingHTTPServer:
@@ -233,13 +235,20 @@ def scripted_server() -> Iterator:
                 self.wfile.write(data)
 
             def do_GET(self):  # noqa: N802 - the stdlib's name
-                card = {"task": "formula_recognition", "limits": {"max_upload_bytes": 1 << 20}}
+                card = {
+                    "task": "formula_recognition",
+                    "state": httpd.state,
+                    "limits": {"max_upload_bytes": 1 << 20},
+                }
                 models = {"object": "list", "data": [card]}
                 self.answer(200, {"status": "ok"} if self.path == "/livez" else models)
 
             def do_POST(self):  # noqa: N802
                 self.rfile.read(int(self.headers["Content-Length"]))
                 httpd.posts += 1
+                if httpd.state != "ready":
+                    self.answer(503, {"error": {"code": "not_ready", "message": "loading"}}, True)
+                    return
                 now = answers.pop(0) if len(answers) > 1 else answers[0]
                 if now == "ok":
                     self.answer(200, {"latex": "x", "latex_compact": "x", "confidence": 1.0})
@@ -256,6 +265,7 @@ def scripted_server() -> Iterator:
 
         httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         httpd.posts = 0
+        httpd.state = "ready"
         httpd.url = f"http://127.0.0.1:{httpd.server_address[1]}"
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
         started.append(httpd)
@@ -280,6 +290,33 @@ def test_an_answer_that_comes_when_the_image_is_sent_again_is_written(
     assert run([str(folder / "a.png")], out=str(out), url=httpd.url, progress=False) == 0
     assert [r["latex"] for r in lines(out)] == ["x"]
     assert httpd.posts == 3
+
+
+def test_a_model_still_loading_is_waited_for_before_the_first_image_is_sent(
+    scripted_server, quick_retries, monkeypatch, folder, tmp_path, capsys
+):
+    """A server just started (`make run`, then `texel recognize` at once) answers
+    `not_ready` until its model has loaded: the run waits for it rather than spend its
+    retries and stop."""
+    monkeypatch.setattr(recognize_cli, "LOADING_POLL_S", 0.05)
+    httpd = scripted_server("ok")
+    httpd.state = "loading"
+    threading.Timer(1.0, setattr, (httpd, "state", "ready")).start()
+    out = tmp_path / "results.jsonl"
+    assert run([str(folder / "a.png")], out=str(out), url=httpd.url, progress=False) == 0
+    assert [r["latex"] for r in lines(out)] == ["x"] and httpd.posts == 1
+    assert "waiting for" in capsys.readouterr().err
+
+
+def test_a_model_that_failed_to_load_stops_the_run_before_any_image(
+    scripted_server, folder, tmp_path, capsys
+):
+    httpd = scripted_server("ok")
+    httpd.state = "failed"
+    out = tmp_path / "results.jsonl"
+    assert run([str(folder / "a.png")], out=str(out), url=httpd.url, progress=False) == 2
+    assert httpd.posts == 0 and not out.exists()
+    assert "formula model failed to load" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
