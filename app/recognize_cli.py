@@ -327,12 +327,17 @@ class ServerRecognizer(Recognizer):
             await asyncio.sleep(min(seconds, LONGEST_RETRY_WAIT_S))
             wait *= 2
         if response.status_code == 200:
-            body = response.json()
-            return {
-                "latex": body["latex"],
-                "latex_compact": body["latex_compact"],
-                "confidence": body.get("confidence"),
-            }
+            try:
+                body = response.json()
+                return {
+                    "latex": body["latex"],
+                    "latex_compact": body["latex_compact"],
+                    "confidence": body.get("confidence"),
+                }
+            except (ValueError, KeyError, TypeError):  # a proxy's page, say: not the image's
+                raise ServerLost(
+                    f"{self.url}: answered 200 without Texel's answer ({summary(response)})"
+                ) from None
         failure = error_of(response)
         if response.status_code in GIVE_UP:
             raise ServerLost(

@@ -252,6 +252,8 @@ def scripted_server() -> Iterator:
                 now = answers.pop(0) if len(answers) > 1 else answers[0]
                 if now == "ok":
                     self.answer(200, {"latex": "x", "latex_compact": "x", "confidence": 1.0})
+                elif now == "page":  # a proxy's page in front of the server
+                    self.answer(200, {"html": "<p>Sign in to this network</p>"})
                 elif now == "reset":  # linger 0: closing sends a reset, not an orderly end
                     linger = struct.pack("ii", 1, 0)
                     self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
@@ -344,6 +346,18 @@ def test_a_server_at_fault_through_the_retries_stops_the_run_with_no_line_for_th
     assert last.startswith(prefix) and last.endswith(suffix), last
     said = last[len(prefix) : -len(suffix)]
     assert said == expected if expected else said, last
+
+
+def test_a_page_answered_200_in_the_servers_place_stops_the_run_with_no_line(
+    scripted_server, folder, tmp_path, capsys
+):
+    """A proxy's page (a captive portal, a login) is no answer for the image: it was a
+    traceback, and the rest of the run lost."""
+    httpd = scripted_server("page")
+    out = tmp_path / "results.jsonl"
+    assert run([str(folder / "a.png")], out=str(out), url=httpd.url, progress=False) == 2
+    assert out.read_text() == "" and httpd.posts == 1
+    assert "answered 200 without Texel's answer (200 OK: " in capsys.readouterr().err
 
 
 def test_a_server_lost_mid_run_leaves_the_lines_written_and_the_same_command_resumes(
