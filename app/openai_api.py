@@ -31,7 +31,7 @@ from app.serving import Runtime
 from app.settings import Settings
 from models.errors import InputError
 
-SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
+SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")  # ASCII digits: "３２x３２" is no size
 # /generate's fields under the names OpenAI's body gives them.
 OPENAI_FIELDS = {
     "width": "size",

@@ -163,6 +163,13 @@ class ImagesGenerationRequest(BaseModel):
     output_format: Literal["png"] | None = Field(
         None, description="png, the only format Texel answers (the default)."
     )
+    # gpt-image-1's; the values that describe what Texel does anyway are taken.
+    background: Literal["auto", "opaque"] | None = Field(
+        None, description="auto or opaque: Texel's images are opaque. transparent is refused."
+    )
+    moderation: Literal["auto", "low"] | None = Field(
+        None, description="Accepted for compatibility; Texel moderates nothing."
+    )
     negative_prompt: str | None = Field(None, description="Texel extension: as on /generate.")
     steps: int | None = Field(
         None, description="Texel extension: denoising steps (/generate's num_inference_steps)."

@@ -105,7 +105,7 @@ def test_v1_images_run_the_stages_and_metrics_of_generate(client, server):
     assert {name: after[name] - before[name] for name in before} == dict.fromkeys(before, 1)
 
 
-@pytest.mark.parametrize("size", ["33x33", "big", "4096x4096"])
+@pytest.mark.parametrize("size", ["33x33", "big", "4096x4096", "\uff13\uff12x\uff13\uff12"])
 def test_a_size_texel_cannot_make_is_refused_422_in_openai_shape(client, size):
     with pytest.raises(openai.UnprocessableEntityError) as raised:
         client.images.generate(prompt=PROMPT, size=size)
@@ -157,6 +157,20 @@ def test_the_quality_and_style_clients_written_for_dall_e_send_change_nothing(cl
         prompt=PROMPT, quality="hd", style="vivid", output_format="png", extra_body=params
     )
     assert dall_e.data[0].b64_json == plain
+
+
+def test_the_default_background_and_moderation_change_nothing_and_transparency_is_refused(
+    client,
+):
+    params = {"seed": 9, "steps": 1}
+    plain = client.images.generate(prompt=PROMPT, extra_body=params).data[0].b64_json
+    image = client.images.generate(
+        prompt=PROMPT, background="auto", moderation="auto", extra_body=params
+    )
+    assert image.data[0].b64_json == plain
+    with pytest.raises(openai.UnprocessableEntityError) as raised:
+        client.images.generate(prompt=PROMPT, background="transparent")
+    assert raised.value.param == "background"
 
 
 def test_a_safety_identifier_changes_nothing(client):
