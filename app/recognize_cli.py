@@ -60,11 +60,12 @@ class ServerLost(RecognizeError):
 
 def find_images(paths: Iterable[str | Path], passed_over: list[Path] | None = None) -> list[Path]:
     """The files named, and the images under the folders named (recursively), in order
-    and each once; the other files of those folders go to `passed_over`."""
+    and each once; the other files of those folders go to `passed_over`. A link to
+    nothing counts as a file, so that its line says it could not be read."""
     found: dict[Path, Path] = {}
     for given in map(Path, paths):
         if given.is_dir():
-            files = sorted(p for p in given.rglob("*") if p.is_file())
+            files = sorted(p for p in given.rglob("*") if p.is_file() or _dangling(p))
             candidates = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES]
             if passed_over is not None:
                 passed_over += [p for p in files if p.suffix.lower() not in IMAGE_SUFFIXES]
@@ -75,6 +76,10 @@ def find_images(paths: Iterable[str | Path], passed_over: list[Path] | None = No
         for path in candidates:
             found.setdefault(path.resolve(), path)
     return list(found.values())
+
+
+def _dangling(path: Path) -> bool:
+    return path.is_symlink() and not path.exists()
 
 
 def line_path(image: Path, folder: Path | None) -> str:

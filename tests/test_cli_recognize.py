@@ -348,6 +348,17 @@ def test_a_server_at_fault_through_the_retries_stops_the_run_with_no_line_for_th
     assert said == expected if expected else said, last
 
 
+def test_a_link_to_nothing_in_a_folder_has_its_error_line(scripted_server, folder, tmp_path):
+    """It was passed over in silence, neither read nor said to be unreadable."""
+    (folder / "gone.png").symlink_to(tmp_path / "moved-away.png")
+    httpd = scripted_server("ok")
+    out = tmp_path / "results.jsonl"
+    assert run([str(folder)], out=str(out), url=httpd.url, progress=False) == 1
+    gone = [r for r in lines(out) if r["path"].endswith("moved-away.png")]  # by its target
+    assert [r["error"]["code"] for r in gone] == ["unreadable"]
+    assert "No such file or directory" in gone[0]["error"]["message"]
+
+
 def test_a_page_answered_200_in_the_servers_place_stops_the_run_with_no_line(
     scripted_server, folder, tmp_path, capsys
 ):
