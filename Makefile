@@ -45,10 +45,11 @@ run: $(if $(wildcard $(STAMP)),,install)
 	$(VENV)/bin/texel serve --host $(HOST) --port $(PORT)
 
 # Two workers, each taking whole test files (a file's servers are module fixtures): most
-# tests wait on servers and sockets, so two keep a 2-core machine busy.
+# tests wait on servers and sockets, so two keep a 2-core machine busy. The longest files
+# go first (conftest.py's LONGEST_FIRST), in that order.
 TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: install
 	$(VENV)/bin/ruff check .
