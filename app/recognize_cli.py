@@ -193,6 +193,12 @@ def error_of(response: httpx.Response) -> dict[str, Any] | None:
     return None
 
 
+def said(response: httpx.Response) -> str:
+    """What an answer says went wrong: a Texel error's message, else its `summary`."""
+    failure = error_of(response)
+    return failure["error"]["message"] if failure else summary(response)
+
+
 def formula_card(response: httpx.Response) -> dict[str, Any] | None:
     """The formula model's card in an answer to `GET /v1/models`, if it has one."""
     try:
@@ -244,27 +250,35 @@ class ServerRecognizer(Recognizer):
 
         limits = httpx.Limits(max_connections=self.concurrency)
         self._client = httpx.AsyncClient(headers=self._headers, timeout=120, limits=limits)
-        probe = self.url + "/livez"
         try:
-            response = await self._client.get(probe)
+            await self._check()
+        except BaseException:
+            await self._client.aclose()
+            raise
+        return self
+
+    async def _get(self, path: str) -> httpx.Response:
+        import httpx
+
+        try:
+            return await self._client.get(self.url + path)
         except httpx.HTTPError as exc:
-            await self._client.aclose()
             raise RecognizeError(f"could not reach {self.url}: {reason(exc)}") from None
+
+    async def _check(self) -> None:
+        """Before any image: that a Texel server answers at `url`, takes the key, and
+        serves a formula model that has loaded (waited for while it loads)."""
+        response = await self._get("/livez")
         if not is_texel_livez(response):
-            await self._client.aclose()
             base = urlsplit(self.url)._replace(path="", query="", fragment="").geturl()
             raise RecognizeError(
-                f"{self.url} does not answer like a Texel server: GET {probe} answered "
-                f"{summary(response)}; give --url the server's base URL"
+                f"{self.url} does not answer like a Texel server: GET {self.url}/livez "
+                f"answered {summary(response)}; give --url the server's base URL"
                 + (f", perhaps {base}" if base != self.url else "")
             )
-        try:  # a guarded route: a missing or wrong key stops here, not once per image
-            keyed = await self._client.get(self.url + "/v1/models")
-        except httpx.HTTPError as exc:
-            await self._client.aclose()
-            raise RecognizeError(f"could not reach {self.url}: {reason(exc)}") from None
+        # A guarded route: a missing or wrong key stops here, not once per image.
+        keyed = await self._get("/v1/models")
         if keyed.status_code == 401:
-            await self._client.aclose()
             raise RecognizeError(
                 f"{self.url} "
                 + ("refused the API key" if self._headers else "wants an API key")
@@ -274,33 +288,24 @@ class ServerRecognizer(Recognizer):
         if card is not None and card.get("state") in STARTING:
             card = await self._wait_while_loading(card)
         if card is not None and card.get("state") == "failed":
-            await self._client.aclose()
             raise RecognizeError(f"{self.url}: its formula model failed to load")
         # Larger files are answered here, unread: a server cuts such an upload short.
         self.max_bytes = upload_limit(card)
-        return self
 
     async def _wait_while_loading(self, card: dict[str, Any]) -> dict[str, Any] | None:
         """The formula model's card once it is no longer loading (a server just started:
         its requests would be refused `not_ready` until then), waiting `LOADING_WAIT_S` at
         the most."""
-        import httpx
-
         print(f"texel recognize: waiting for {self.url} to load its formula model", file=sys.stderr)
         deadline = time.monotonic() + LOADING_WAIT_S
         while card is not None and card.get("state") in STARTING:
             if time.monotonic() > deadline:
-                await self._client.aclose()
                 raise RecognizeError(
                     f"{self.url}: its formula model is still {card['state']} after "
                     f"{LOADING_WAIT_S:.0f} s"
                 )
             await asyncio.sleep(LOADING_POLL_S)
-            try:
-                response = await self._client.get(self.url + "/v1/models")
-            except httpx.HTTPError as exc:
-                await self._client.aclose()
-                raise RecognizeError(f"could not reach {self.url}: {reason(exc)}") from None
+            response = await self._get("/v1/models")
             card = formula_card(response) if response.status_code == 200 else None
         return card
 
@@ -323,8 +328,7 @@ class ServerRecognizer(Recognizer):
             else:
                 if response.status_code not in TRY_AGAIN:
                     break
-                failure = error_of(response)
-                problem = failure["error"]["message"] if failure else summary(response)
+                problem = said(response)
                 retry_after = response.headers.get("retry-after", "")
             if attempt == RETRIES:
                 raise ServerLost(f"{self.url}: {problem}")
@@ -343,12 +347,9 @@ class ServerRecognizer(Recognizer):
                 raise ServerLost(
                     f"{self.url}: answered 200 without Texel's answer ({summary(response)})"
                 ) from None
-        failure = error_of(response)
         if response.status_code in GIVE_UP:
-            raise ServerLost(
-                f"{self.url}: " + (failure["error"]["message"] if failure else summary(response))
-            )
-        return failure or error("http_error", f"{self.url} answered {summary(response)}")
+            raise ServerLost(f"{self.url}: {said(response)}")
+        return error_of(response) or error("http_error", f"{self.url} answered {summary(response)}")
 
 
 class LocalRecognizer(Recognizer):
